@@ -1,0 +1,114 @@
+"""Turn a bundle of dataset indices into packed, padding-free microbatches.
+
+    loader = DataLoader(BundleDataset(ds), sampler=ODCBatchSampler(...), batch_size=None,
+                        collate_fn=BundleCollator(max_tokens_per_microbatch=..., pad_token_id=tok.pad_token_id))
+
+yields, per optimizer step, a ``list[dict]``: one dict per microbatch of this rank (possibly none).
+
+Packing is TRL's ``DataCollatorForLanguageModeling(padding_free=True)``, the collator ``SFTTrainer``
+itself uses: documents concatenated into one row, ``position_ids`` restarting at 0 per document, no
+attention mask (transformers then derives a block-diagonal causal mask from ``position_ids``; an
+all-ones mask would join the documents), the label of every document's first token set to -100 so no
+token is predicted across a boundary, and ``cu_seq_lens_*`` / ``max_length_*`` / ``seq_idx`` for
+varlen kernels. What it does not do, and this module adds: folding ``completion_mask`` /
+``assistant_masks`` into the labels (TRL does that during dataset preparation), truncation to the
+token budget, empty dummy microbatches, and ``num_label_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["BundleCollator", "BundleDataset", "MASK_KEYS"]
+
+MASK_KEYS = ("completion_mask", "assistant_masks")
+"""Optional per-token 0/1 columns; tokens where any of them is 0 get label -100."""
+
+
+class BundleDataset(torch.utils.data.Dataset):
+    """Map-style view whose items are bundles: ``dataset_view[bundle] -> list[list[example]]``."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, bundle: Sequence[Sequence[int]]) -> list[list[Any]]:
+        return [[self.dataset[int(i)] for i in microbatch] for microbatch in bundle]
+
+
+def _as_list(values) -> list[int]:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+class BundleCollator:
+    """Collate ``list[list[example]]`` (microbatches of examples) into ``list[dict]`` of packed rows.
+
+    Each dict has ``input_ids``, ``position_ids``, ``labels`` of shape (1, T) plus TRL's varlen keys,
+    and ``num_label_tokens``: the number of tokens that contribute to the causal-LM loss (labels !=
+    -100 after the model's one-position shift), so the trainer can normalise by the GLOBAL count.
+    ``num_label_tokens`` is not a model input: pop it before ``model(**microbatch)``.
+
+    An empty microbatch (a dummy step of an FSDP plan) becomes one ``pad_token_id`` token with label
+    -100 and ``num_label_tokens == 0``: the rank still runs forward/backward, contributing no loss.
+
+    Args:
+        max_tokens_per_microbatch: if set, a packed microbatch longer than this raises ValueError
+            (the planner should have prevented it), unless ``truncate`` applies.
+        truncate: cut every document to ``max_tokens_per_microbatch`` tokens (pairs with the sampler's
+            ``truncate=True``).
+        pad_token_id: token of dummy microbatches (never trained on).
+    """
+
+    def __init__(self, *, max_tokens_per_microbatch: int | None = None, truncate: bool = False,
+                 pad_token_id: int = 0):
+        if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
+        if truncate and max_tokens_per_microbatch is None:
+            raise ValueError("truncate=True needs max_tokens_per_microbatch")
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.truncate = truncate
+        self.pad_token_id = int(pad_token_id)
+        self._packer = DataCollatorForLanguageModeling(pad_token_id=self.pad_token_id, padding_free=True)
+
+    def _document(self, example: Mapping[str, Any]) -> dict[str, list[int]]:
+        """input_ids and labels of one example, masks folded in, truncated if configured."""
+        input_ids = _as_list(example["input_ids"])
+        labels = example.get("labels")
+        labels = list(input_ids) if labels is None else _as_list(labels)
+        if len(labels) != len(input_ids):
+            raise ValueError(f"example has {len(input_ids)} input_ids but {len(labels)} labels")
+        for key in MASK_KEYS:
+            if example.get(key) is not None:
+                mask = _as_list(example[key])
+                if len(mask) != len(input_ids):
+                    raise ValueError(f"example has {len(input_ids)} input_ids but {len(mask)} {key}")
+                labels = [label if keep else -100 for label, keep in zip(labels, mask)]
+        if self.truncate and len(input_ids) > self.max_tokens_per_microbatch:
+            input_ids = input_ids[: self.max_tokens_per_microbatch]
+            labels = labels[: self.max_tokens_per_microbatch]
+        return {"input_ids": input_ids, "labels": labels}
+
+    def collate_microbatch(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Pack one microbatch's examples into a single padding-free row."""
+        documents = [doc for doc in map(self._document, examples) if doc["input_ids"]]
+        total = sum(len(doc["input_ids"]) for doc in documents)
+        if self.max_tokens_per_microbatch is not None and total > self.max_tokens_per_microbatch:
+            raise ValueError(
+                f"microbatch has {total} tokens, more than max_tokens_per_microbatch="
+                f"{self.max_tokens_per_microbatch}; plan with the same budget (and truncate setting)"
+            )
+        if not documents:
+            documents = [{"input_ids": [self.pad_token_id], "labels": [-100]}]
+        batch = self._packer(documents)
+        batch["num_label_tokens"] = int((batch["labels"][:, 1:] != -100).sum())
+        return batch
+
+    def __call__(self, bundle: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        return [self.collate_microbatch(examples) for examples in bundle]

@@ -1,0 +1,136 @@
+"""Run a function on N spawned ranks with torch.distributed initialised: for tests, examples and benchmarks.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), initialises the default
+process group (gloo on CPU, nccl on GPU: rank r uses ``cuda:r``), calls ``fn(rank, world_size, *args)`` and
+returns the per-rank results. A rank that raises or dies is reported with its traceback or exit code; the
+parent never waits longer than ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclasses.dataclass
+class RankOutcome:
+    rank: int
+    value: Any = None
+    error: str | None = None  # formatted traceback, or a description of how the process ended
+    exitcode: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class RanksFailed(AssertionError):
+    def __init__(self, outcomes: list[RankOutcome]):
+        self.outcomes = outcomes
+        parts = [f"--- rank {o.rank} (exit {o.exitcode}) ---\n{o.error}" for o in outcomes if not o.ok]
+        super().__init__("ranks failed:\n" + "\n".join(parts))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, backend, fn, args, queue, env):
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )  # fmt: skip
+    import torch
+    import torch.distributed as dist
+
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120),
+            device_id=torch.device("cuda", rank) if backend == "nccl" else None,
+        )  # fmt: skip
+        value = fn(rank, world_size, *args)
+        queue.put((rank, value, None))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    raise_on_failure: bool = True,
+) -> list[Any] | list[RankOutcome]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+
+    Returns the list of values (``raise_on_failure=True``, raising :class:`RanksFailed` otherwise) or the
+    list of :class:`RankOutcome` (``raise_on_failure=False``, for tests where a rank is meant to fail).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    child_env = {**SAFE_GPU_ENV, "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, queue, child_env), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = {r: RankOutcome(r) for r in range(world_size)}
+    reported: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(reported) < world_size and time.monotonic() < deadline:
+        try:
+            rank, value, error = queue.get(timeout=0.2)
+            outcomes[rank].value, outcomes[rank].error = value, error
+            reported.add(rank)
+        except queue_mod.Empty:
+            if all(not p.is_alive() for p in procs):
+                # Drain what the dead processes managed to send.
+                while True:
+                    try:
+                        rank, value, error = queue.get(timeout=0.5)
+                    except queue_mod.Empty:
+                        break
+                    outcomes[rank].value, outcomes[rank].error = value, error
+                    reported.add(rank)
+                break
+    for r, p in enumerate(procs):
+        p.join(timeout=max(0.0, deadline - time.monotonic()) if r in reported else 1.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            if r not in reported:
+                outcomes[r].error = f"killed by the harness after {timeout_s:g} s"
+        outcomes[r].exitcode = p.exitcode
+        if r not in reported and outcomes[r].error is None:
+            outcomes[r].error = f"process died with exit code {p.exitcode} before reporting"
+    result = [outcomes[r] for r in range(world_size)]
+    if not raise_on_failure:
+        return result
+    if not all(o.ok for o in result):
+        raise RanksFailed(result)
+    return [o.value for o in result]

@@ -1,0 +1,144 @@
+"""The Transport interface: the two one-sided ODC primitives plus one synchronisation per minibatch.
+
+A *unit* is what FSDP2 gathers and reduces in one collective: the concatenation of the padded parameter
+shards of one ``FSDPModule``. Every rank owns a shard of ``shard_numel`` elements of every unit. For each
+registered unit a transport keeps, on every rank,
+
+* a **staging** buffer (``shard_numel`` elements of the parameter dtype): the owner *publishes* its shard
+  there after each optimizer step, and peers read it with :meth:`Transport.gather` without the owner
+  taking part;
+* an **accumulator** (fp32): peers add their gradient rows for this owner into it with
+  :meth:`Transport.scatter_accumulate`, again without the owner taking part; the owner collects it with
+  :meth:`Transport.take_accumulated` after the minibatch barrier.
+
+Layouts follow FSDP2's collectives: the input of a gather-like or reduce-scatter-like operation is a flat
+tensor of ``world_size * shard_numel`` elements, row ``r`` belonging to rank ``r``. Both primitives skip the
+caller's own row: FSDP has already placed its own shard in the gather output, and the caller keeps its own
+gradient row (it flows through FSDP's normal path into ``param.grad``).
+
+The only waits on peers are in :meth:`Transport.barrier`; each carries a timeout and raises
+:class:`PeerTimeoutError` / :class:`PeerFailedError` naming the operation, the peer and the minibatch.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Generous by default: a slow rank may legitimately run many more microbatches than its peers."""
+
+
+class ODCError(RuntimeError):
+    """Base class of errors raised by odc_hf's communication layer."""
+
+
+class PeerFailedError(ODCError):
+    """A peer died or reported a failure while this rank was waiting on it."""
+
+
+class PeerTimeoutError(ODCError):
+    """A peer did not arrive at a synchronisation point within the timeout."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitSpec:
+    """What a transport needs to know about a unit: its name (for errors), shard size and dtypes."""
+
+    name: str
+    shard_numel: int
+    param_dtype: torch.dtype
+    accum_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.shard_numel <= 0:
+            raise ValueError(f"unit {self.name!r}: shard_numel must be positive, got {self.shard_numel}")
+        if self.accum_dtype != torch.float32:
+            raise ValueError(f"unit {self.name!r}: only float32 accumulators are supported")
+
+
+class Transport(abc.ABC):
+    """One-sided gather and scatter-accumulate between the ranks of one node.
+
+    Subclasses: :class:`odc_hf.transport.shm.ShmTransport` (CPU, POSIX shared memory) and
+    :class:`odc_hf.transport.cuda.CudaTransport` (GPU, torch symmetric memory). Both have the same semantics;
+    the tests run one suite over both.
+    """
+
+    rank: int
+    world_size: int
+    timeout_s: float
+    minibatch: int
+    """Index of the current minibatch, kept by the caller; only used in error messages."""
+
+    @abc.abstractmethod
+    def register(self, spec: UnitSpec) -> int:
+        """Collective: allocate staging and accumulator buffers for a unit; returns its id."""
+
+    @abc.abstractmethod
+    def spec(self, unit: int) -> UnitSpec:
+        """The spec a unit was registered with."""
+
+    @abc.abstractmethod
+    def staging(self, unit: int) -> torch.Tensor:
+        """This rank's staging buffer (the shard peers will read). Write it only between barriers."""
+
+    @abc.abstractmethod
+    def gather(self, unit: int, output: torch.Tensor) -> None:
+        """Fill every peer's row of ``output`` (``world_size * shard_numel``) from that peer's staging buffer.
+
+        The caller's own row is left untouched. On CUDA the copies are enqueued on the current stream.
+        """
+
+    @abc.abstractmethod
+    def scatter_accumulate(self, unit: int, input: torch.Tensor) -> None:
+        """Add row ``p`` of ``input`` (``world_size * shard_numel``, any float dtype) into peer ``p``'s accumulator.
+
+        The caller's own row is skipped. On CUDA the work is enqueued on the current stream, so the caller
+        may reuse ``input`` after it on that stream. The owner sees the sums after the next :meth:`barrier`.
+        """
+
+    @abc.abstractmethod
+    def barrier(self, count: float = 0.0, *, what: str = "minibatch barrier") -> float:
+        """Wait until every rank arrives and all of this rank's pushes are visible; return the sum of ``count``.
+
+        The sum is computed in rank order, so it is bit-identical on every rank.
+        """
+
+    @abc.abstractmethod
+    def take_accumulated(self, unit: int) -> torch.Tensor:
+        """Return this rank's accumulated fp32 gradient shard (a new tensor) and reset the accumulator to zero.
+
+        Call it only between a barrier and the next push (i.e. after :meth:`barrier` that ends a minibatch).
+        """
+
+    @abc.abstractmethod
+    def abort(self, reason: str) -> None:
+        """Tell the peers that this rank failed, so their waits raise at once instead of timing out."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every buffer. Safe to call twice."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            self.abort(f"{exc_type.__name__}: {exc}")
+        self.close()
+
+
+def check_rows(spec: UnitSpec, world_size: int, tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """Validate a flat ``world_size * shard_numel`` tensor and view it as rows."""
+    expected = world_size * spec.shard_numel
+    if tensor.numel() != expected:
+        raise ValueError(
+            f"{what} of unit {spec.name!r}: expected {world_size} x {spec.shard_numel} = {expected} elements, "
+            f"got {tensor.numel()}"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} of unit {spec.name!r}: tensor must be contiguous")
+    return tensor.view(world_size, spec.shard_numel)

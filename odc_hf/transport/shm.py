@@ -1,0 +1,119 @@
+"""CPU transport: every unit's buffers live in POSIX shared memory that all ranks of the node map.
+
+Each rank owns one file per unit holding its staging buffer and ``world_size`` fp32 accumulator *slots*, one
+per sender. A sender only ever adds into its own slot of the owner's file, so no two processes write the same
+bytes (no locks, no atomics), and the owner sums the slots in rank order: accumulation is race-free and
+deterministic. The price is ``world_size`` fp32 copies of the shard per unit, i.e. the size of the unsharded
+model in fp32 — fine for the tests and laptops this backend is for.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from odc_hf.transport import shm_files
+from odc_hf.transport.base import DEFAULT_TIMEOUT_S, Transport, UnitSpec, check_rows
+from odc_hf.transport.control import HostControl
+
+
+class _Unit:
+    def __init__(self, spec: UnitSpec, world_size: int, mappings: list[torch.Tensor]):
+        self.spec = spec
+        numel = spec.shard_numel
+        staging_bytes = shm_files.align(numel * spec.param_dtype.itemsize)
+        slot_bytes = numel * 4
+        self.staging = [m[:staging_bytes].view(spec.param_dtype)[:numel] for m in mappings]
+        # slots[owner][sender]: the fp32 accumulator that `sender` adds into for `owner`.
+        self.slots = [
+            m[staging_bytes : staging_bytes + world_size * slot_bytes].view(torch.float32).view(world_size, numel)
+            for m in mappings
+        ]
+
+    @staticmethod
+    def nbytes(spec: UnitSpec, world_size: int) -> int:
+        staging_bytes = shm_files.align(spec.shard_numel * spec.param_dtype.itemsize)
+        return staging_bytes + world_size * spec.shard_numel * 4
+
+
+class ShmTransport(Transport):
+    """ODC transport for CPU processes of one node (gloo or any other process group for setup only)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        shm_dir: str | None = None,
+    ):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout_s = float(timeout_s)
+        self.shm_dir = shm_dir
+        self.control = HostControl(group, timeout_s=timeout_s, shm_dir=shm_dir)
+        self.minibatch = 0
+        self._units: list[_Unit] = []
+        self._closed = False
+
+    def register(self, spec: UnitSpec) -> int:
+        specs: list = [None] * self.world_size
+        nbytes = _Unit.nbytes(spec, self.world_size)
+        directory = shm_files.pick_dir(nbytes, self.shm_dir)
+        path = shm_files.create(directory, self.control.job, f"unit{len(self._units)}", nbytes)
+        try:
+            dist.all_gather_object(specs, (spec, str(path)), group=self.group)
+            mismatched = [r for r, (s, _) in enumerate(specs) if s != spec]
+            if mismatched:
+                raise ValueError(
+                    f"unit {spec.name!r} registered with different specs on ranks {mismatched}: "
+                    f"{specs[mismatched[0]][0]} vs {spec} on rank {self.rank}"
+                )
+            mappings = [shm_files.map_file(p, nbytes) for _, p in specs]
+            dist.barrier(group=self.group)  # everyone has mapped every file
+        finally:
+            shm_files.unlink_quietly(path)
+        self._units.append(_Unit(spec, self.world_size, mappings))
+        return len(self._units) - 1
+
+    def spec(self, unit: int) -> UnitSpec:
+        return self._units[unit].spec
+
+    def staging(self, unit: int) -> torch.Tensor:
+        return self._units[unit].staging[self.rank]
+
+    def gather(self, unit: int, output: torch.Tensor) -> None:
+        u = self._units[unit]
+        rows = check_rows(u.spec, self.world_size, output, "gather output")
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                rows[peer].copy_(u.staging[peer])
+
+    def scatter_accumulate(self, unit: int, input: torch.Tensor) -> None:
+        u = self._units[unit]
+        rows = check_rows(u.spec, self.world_size, input, "scatter-accumulate input")
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                u.slots[peer][self.rank].add_(rows[peer])
+
+    def barrier(self, count: float = 0.0, *, what: str = "minibatch barrier") -> float:
+        return self.control.barrier(count, what=what, minibatch=self.minibatch)
+
+    def take_accumulated(self, unit: int) -> torch.Tensor:
+        slots = self._units[unit].slots[self.rank]
+        total = slots[0].clone()
+        for sender in range(1, self.world_size):
+            total += slots[sender]
+        slots.zero_()
+        return total
+
+    def abort(self, reason: str) -> None:
+        if not self._closed:
+            self.control.abort(reason)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._units.clear()
+        self.control.close()

@@ -1,0 +1,118 @@
+"""A dead, hung or failing peer makes the other ranks raise promptly, naming the peer; no files are left."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from odc_hf.testing import run_ranks
+from odc_hf.transport import UnitSpec, make_transport, shm_files
+from odc_hf.transport.base import PeerFailedError, PeerTimeoutError
+
+BACKENDS = ["cpu", "cuda"]
+
+
+def _skip_unless(backend: str, world_size: int) -> None:
+    if backend == "cuda" and torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} CUDA GPUs")
+
+
+def _setup(rank, backend, timeout_s):
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    transport = make_transport(device=device, timeout_s=timeout_s)
+    unit = transport.register(UnitSpec(name="layer0", shard_numel=1024, param_dtype=torch.bfloat16))
+    transport.barrier(what="publish barrier")
+    return transport, unit, device
+
+
+def _victim_ranks(rank, world_size, backend, how, timeout_s):
+    transport, unit, device = _setup(rank, backend, timeout_s)
+    transport.minibatch = 3
+    if rank == world_size - 1:
+        if how == "dies":
+            os._exit(7)
+        if how == "hangs":
+            time.sleep(timeout_s + 5)
+            return "woke"
+        if how == "raises":
+            with transport:
+                raise ValueError("bad batch on the last rank")
+    start = time.monotonic()
+    try:
+        transport.scatter_accumulate(unit, torch.ones(world_size * 1024, device=device))
+        transport.barrier(what="minibatch barrier")
+    except (PeerFailedError, PeerTimeoutError) as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("how", ["dies", "hangs", "raises"])
+def test_failed_peer_is_named_within_the_timeout(backend, how):
+    world_size = 2 if backend == "cuda" else 3
+    _skip_unless(backend, world_size)
+    timeout_s = 3.0
+    outcomes = run_ranks(
+        _victim_ranks, world_size, backend, how, timeout_s,
+        backend="nccl" if backend == "cuda" else "gloo", raise_on_failure=False, timeout_s=120,
+    )  # fmt: skip
+    victim = world_size - 1
+    for o in outcomes[:victim]:
+        assert o.ok, o.error
+        kind, message, waited = o.value
+        assert f"rank(s) [{victim}]" in message or f"rank {victim}" in message, message
+        assert "minibatch barrier of minibatch 3" in message, message
+        if how == "hangs":
+            assert kind == "PeerTimeoutError" and timeout_s <= waited < timeout_s + 2
+        else:
+            assert kind == "PeerFailedError" and waited < 2.0, (kind, waited)
+        if how == "raises":
+            assert "bad batch on the last rank" in message
+        if how == "dies":
+            assert "died" in message
+
+
+def _count_files(rank, world_size, directory):
+    before = {p.name for p in Path(directory).iterdir()}
+    transport = make_transport(timeout_s=30, shm_dir=directory)
+    for i in range(3):
+        transport.register(UnitSpec(name=f"u{i}", shard_numel=4096, param_dtype=torch.float32))
+    during = {p.name for p in Path(directory).iterdir()} - before
+    transport.close()
+    transport.close()  # idempotent
+    return sorted(during)
+
+
+def test_buffers_leave_no_files_and_stale_files_are_swept(tmp_path):
+    during = run_ranks(_count_files, 2, str(tmp_path))
+    assert during == [[], []]  # unlinked as soon as every rank has mapped them
+    dead = tmp_path / "odc-0123abcd-999999999-unit0"
+    live = tmp_path / f"odc-0123abcd-{os.getpid()}-unit0"
+    other = tmp_path / "unrelated"
+    for p in (dead, live, other):
+        p.write_bytes(b"x")
+    assert shm_files.sweep_stale(tmp_path) == [dead]
+    assert live.exists() and other.exists()
+
+
+def _mismatch(rank, world_size):
+    transport = make_transport(timeout_s=30)
+    try:
+        transport.register(UnitSpec(name="u", shard_numel=100 + rank, param_dtype=torch.float32))
+    except ValueError as err:
+        return str(err)
+    return "registered"
+
+
+def test_mismatched_registration_is_refused():
+    messages = run_ranks(_mismatch, 2)
+    assert all("different specs" in m for m in messages), messages
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="shard_numel must be positive"):
+        UnitSpec(name="x", shard_numel=0, param_dtype=torch.float32)
