@@ -94,7 +94,9 @@ def run_ranks(
     port = free_port()
     child_env = {**SAFE_GPU_ENV, "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, queue, child_env), daemon=True)
+        ctx.Process(
+            target=_entry, args=(r, world_size, port, backend, fn, args, queue, child_env), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -95,7 +95,10 @@ def _scatter_ranks(rank, world_size, backend, seed, rounds):
         ]
         for rnd in range(rounds):
             transport.minibatch = rnd
-            mine = {u: _pushes(seed, rnd * 100 + u, rank, world_size, n, d) for u, n, d in zip(units, sizes, dtypes)}
+            mine = {
+                u: _pushes(seed, rnd * 100 + u, rank, world_size, n, d)
+                for u, n, d in zip(units, sizes, dtypes)
+            }
             for u in units:
                 for row in mine[u]:
                     if delay.random() < 0.2:

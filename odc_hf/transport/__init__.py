@@ -11,7 +11,9 @@ from odc_hf.transport.base import (
 from odc_hf.transport.shm import ShmTransport
 
 
-def make_transport(group=None, *, device=None, timeout_s: float = DEFAULT_TIMEOUT_S, shm_dir=None) -> Transport:
+def make_transport(
+    group=None, *, device=None, timeout_s: float = DEFAULT_TIMEOUT_S, shm_dir=None
+) -> Transport:
     """The transport for ``device``: CUDA symmetric memory on GPUs, shared memory on CPU."""
     import torch
 

@@ -99,7 +99,9 @@ class CudaTransport(Transport):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_s = float(timeout_s)
-        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.device = (
+            torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        )
         if self._symm.get_backend(self.device) is None:
             self._symm.set_backend("CUDA")
         self.control = HostControl(group, timeout_s=timeout_s, shm_dir=shm_dir)

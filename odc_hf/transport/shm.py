@@ -26,7 +26,9 @@ class _Unit:
         self.staging = [m[:staging_bytes].view(spec.param_dtype)[:numel] for m in mappings]
         # slots[owner][sender]: the fp32 accumulator that `sender` adds into for `owner`.
         self.slots = [
-            m[staging_bytes : staging_bytes + world_size * slot_bytes].view(torch.float32).view(world_size, numel)
+            m[staging_bytes : staging_bytes + world_size * slot_bytes]
+            .view(torch.float32)
+            .view(world_size, numel)
             for m in mappings
         ]
 
