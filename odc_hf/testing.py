@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -63,7 +64,9 @@ def _entry(rank, world_size, port, backend, fn, args, queue, env):
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120),
             device_id=torch.device("cuda", rank) if backend == "nccl" else None,
         )  # fmt: skip
-        value = fn(rank, world_size, *args)
+        # Plain pickle bytes: tensors sent through a multiprocessing queue would be shared-memory handles,
+        # which die with this process before the parent reads them.
+        value = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, value, None))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, None, traceback.format_exc()))
@@ -73,6 +76,10 @@ def _entry(rank, world_size, port, backend, fn, args, queue, env):
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _loads(value: bytes | None):
+    return None if value is None else pickle.loads(value)
 
 
 def run_ranks(
@@ -107,7 +114,7 @@ def run_ranks(
     while len(reported) < world_size and time.monotonic() < deadline:
         try:
             rank, value, error = queue.get(timeout=0.2)
-            outcomes[rank].value, outcomes[rank].error = value, error
+            outcomes[rank].value, outcomes[rank].error = _loads(value), error
             reported.add(rank)
         except queue_mod.Empty:
             if all(not p.is_alive() for p in procs):
@@ -117,7 +124,7 @@ def run_ranks(
                         rank, value, error = queue.get(timeout=0.5)
                     except queue_mod.Empty:
                         break
-                    outcomes[rank].value, outcomes[rank].error = value, error
+                    outcomes[rank].value, outcomes[rank].error = _loads(value), error
                     reported.add(rank)
                 break
     for r, p in enumerate(procs):

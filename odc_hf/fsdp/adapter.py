@@ -1,0 +1,233 @@
+"""Install ODC on a ``fully_shard``-ed model and run its minibatch lifecycle.
+
+    model = ...  # fully_shard applied (by accelerate, or by odc_hf.fsdp.shard_model)
+    odc = install_odc(model)                    # collective: registers every unit, publishes the shards
+    odc.attach_optimizer(optimizer)             # publish() after every optimizer.step()
+    for minibatch in loader:                    # each rank: its own number of microbatches, maybe zero
+        for micro in minibatch:
+            (loss_sum(model, micro) / global_token_count).backward()
+        odc.finish_minibatch(local_token_count) # the one synchronisation; returns the global count
+        clip_grad_norm_(...); optimizer.step(); optimizer.zero_grad()
+
+Gradients: the own row of every reduce-scatter flows through FSDP into ``param.grad`` (fp32 under the usual
+mixed precision), the other rows are accumulated in their owners' fp32 accumulators; ``finish_minibatch``
+adds the accumulator into ``param.grad`` (creating it on ranks that ran no microbatch). FSDP's own gradient
+division is switched off: the comm sees a plain SUM, so normalise the loss by the global token count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from odc_hf.fsdp import internals
+from odc_hf.fsdp.hooks import ODCAllGather, ODCReduceScatter
+from odc_hf.transport import DEFAULT_TIMEOUT_S, ODCError, Transport, UnitSpec, make_transport
+
+
+@dataclasses.dataclass
+class ODCUnit:
+    """One FSDP unit under ODC: its params in FSDP's order, each with its offset in the unit's flat shard."""
+
+    name: str
+    module: FSDPModule
+    fsdp_params: list
+    offsets: list[int]
+    spec: UnitSpec
+    id: int
+    transport: Transport
+    owner: ODCHandle
+    rank: int
+    world_size: int
+
+
+def _validate_unit(name: str, module: FSDPModule, groups: list, world_size: int) -> list:
+    if len(groups) > 1:
+        raise NotImplementedError(
+            f"unit {name!r} has {len(groups)} FSDP param groups; ODC supports one per module"
+        )
+    group = groups[0]
+    mesh, post_forward = internals.mesh_info(group)
+    if mesh.mesh.ndim != 1:
+        raise NotImplementedError(
+            f"unit {name!r} is sharded on a {mesh.mesh.ndim}-D mesh (HSDP?); ODC needs a 1-D mesh"
+        )
+    if post_forward is not None and post_forward is not mesh and post_forward.mesh.size() != mesh.mesh.size():
+        raise NotImplementedError(
+            f"unit {name!r} uses an integer reshard_after_forward; ODC supports True/False only"
+        )
+    if mesh.mesh.size() != world_size:
+        raise NotImplementedError(
+            f"unit {name!r} is sharded over {mesh.mesh.size()} ranks, the ODC group has {world_size}"
+        )
+    params = internals.fsdp_params(group)
+    for fp in params:
+        p = fp.sharded_param
+        if len(p.placements) != 1:
+            raise NotImplementedError(
+                f"unit {name!r}: parameter with placements {p.placements} (tensor parallel?)"
+            )
+        if fp.fsdp_placement.dim != 0:
+            raise NotImplementedError(
+                f"unit {name!r}: ODC supports Shard(0) parameters only, got {fp.fsdp_placement}"
+            )
+        if fp.offload_to_cpu:
+            raise NotImplementedError(f"unit {name!r}: CPU offload is not supported with ODC")
+        if not p.requires_grad:
+            raise NotImplementedError(
+                f"unit {name!r} holds a frozen parameter; put frozen parameters in their own unit or outside FSDP"
+            )
+    dtypes = internals.all_gather_dtype(group, params)
+    if len(dtypes) != 1:
+        raise NotImplementedError(f"unit {name!r} mixes parameter dtypes {dtypes}")
+    return params, dtypes.pop()
+
+
+class ODCHandle:
+    """The ODC state of one model: its units, the transport, and the minibatch lifecycle."""
+
+    def __init__(self, model: torch.nn.Module, transport: Transport):
+        self.model = model
+        self.transport = transport
+        self.rank, self.world_size = transport.rank, transport.world_size
+        self.units: list[ODCUnit] = []
+        self.minibatch = 0
+        self.published = False
+        self.pushes = 0
+        self.reduces_unused_params = False
+        self._closed = False
+
+    # -- setup -------------------------------------------------------------------------------------
+    def _install(self) -> None:
+        for name, module in self.model.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            if getattr(module, "_odc_installed", False):
+                raise ODCError(f"ODC is already installed on {name or 'the root module'!r}")
+            groups = internals.param_groups(module)
+            if not groups:
+                continue  # owns no parameters: FSDP never calls its comms
+            label = name or "<root>"
+            params, dtype = _validate_unit(label, module, groups, self.world_size)
+            offsets, total = [], 0
+            for fp in params:
+                offsets.append(total)
+                total += fp.padded_sharded_param_size.numel()
+            spec = UnitSpec(name=label, shard_numel=total, param_dtype=dtype)
+            unit = ODCUnit(label, module, params, offsets, spec, self.transport.register(spec), self.transport,
+                           self, self.rank, self.world_size)  # fmt: skip
+            module.set_custom_all_gather(ODCAllGather(unit))
+            module.set_custom_reduce_scatter(ODCReduceScatter(unit))
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
+            if hasattr(module, "set_reduce_scatter_unused_params"):  # torch >= 2.12: keeps the layout fixed
+                module.set_reduce_scatter_unused_params(True, recurse=False)
+                self.reduces_unused_params = True
+            module._odc_installed = True
+            self.units.append(unit)
+        if not self.units:
+            raise ValueError(
+                "install_odc: the model has no FSDPModule with parameters; apply fully_shard first"
+            )
+
+    # -- hooks call these --------------------------------------------------------------------------
+    def check_can_gather(self, unit: ODCUnit) -> None:
+        if not self.published:
+            raise ODCError(
+                f"rank {self.rank}: forward of unit {unit.name!r} in minibatch {self.minibatch} before publish(): "
+                "call odc.publish() after optimizer.step() (or odc.attach_optimizer(optimizer))"
+            )
+
+    def note_push(self, unit: ODCUnit) -> None:
+        self.pushes += 1
+
+    # -- the minibatch lifecycle -------------------------------------------------------------------
+    @torch.no_grad()
+    def finish_minibatch(self, local_tokens: float = 0.0) -> float:
+        """End the minibatch: wait for every rank, fold the accumulators into ``param.grad``.
+
+        ``local_tokens`` is summed over ranks and returned (use it as the loss normaliser, or pass 0).
+        """
+        if not self.published:
+            raise ODCError(f"rank {self.rank}: finish_minibatch() twice without publish() in between")
+        self.transport.minibatch = self.minibatch
+        total = self.transport.barrier(local_tokens, what="minibatch barrier")
+        for unit in self.units:
+            accumulated = self.transport.take_accumulated(unit.id)
+            for fp, offset in zip(unit.fsdp_params, unit.offsets):
+                param = fp.sharded_param
+                shard = torch.as_strided(accumulated, fp.sharded_size, fp.contiguous_sharded_stride, offset)
+                if param.grad is None:
+                    local = shard.to(param.dtype, copy=True)
+                    param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                                    shape=param.size(), stride=param.stride())  # fmt: skip
+                else:
+                    param.grad.to_local().add_(shard)
+        self.minibatch += 1
+        self.published = False
+        self.pushes = 0
+        return total
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Write every unit's current shard (cast to the all-gather dtype) for peers to read; then sync once."""
+        for unit in self.units:
+            staging = self.transport.staging(unit.id)
+            for fp, offset in zip(unit.fsdp_params, unit.offsets):
+                local = fp.sharded_param.to_local().reshape(-1)
+                staging[offset : offset + local.numel()].copy_(local)
+        self.transport.minibatch = self.minibatch
+        self.transport.barrier(what="publish barrier")
+        self.published = True
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer):
+        """Publish after every ``optimizer.step()``; returns the hook handle."""
+        return optimizer.register_step_post_hook(lambda *_: self.publish())
+
+    @contextlib.contextmanager
+    def failure_guard(self):
+        """Tell the peers at once when this rank raises, instead of letting them wait for the timeout."""
+        try:
+            yield self
+        except BaseException as err:
+            self.transport.abort(f"{type(err).__name__}: {err}"[:400])
+            raise
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.transport.close()
+
+    def __enter__(self) -> ODCHandle:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            self.transport.abort(f"{exc_type.__name__}: {exc}"[:400])
+        self.close()
+
+
+def install_odc(
+    model: torch.nn.Module,
+    *,
+    transport: Transport | None = None,
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    shm_dir: str | None = None,
+) -> ODCHandle:
+    """Collective: put ODC comms on every FSDP unit of ``model`` and publish the current parameters."""
+    world_size = dist.get_world_size(group)
+    if world_size < 2:
+        raise ValueError("install_odc needs at least 2 ranks; with one there is nothing to communicate")
+    if transport is None:
+        device = next(model.parameters()).device
+        transport = make_transport(group, device=device, timeout_s=timeout_s, shm_dir=shm_dir)
+    handle = ODCHandle(model, transport)
+    handle._install()
+    handle.publish()
+    return handle

@@ -1,0 +1,52 @@
+"""The only place odc_hf reads FSDP2 internals (read-only), with explicit version checks.
+
+FSDP2's public hooks (``set_custom_all_gather`` / ``set_custom_reduce_scatter``) hand us flat buffers; to know
+what is in them we need each unit's layout: the ``FSDPParam`` list of the module's param group, in that order,
+with each parameter's padded shard size. Those live on private objects. Everything we touch is listed here and
+checked by ``tests/test_fsdp_internals.py`` against the installed torch (2.11 on the GPU image, 2.13 on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from odc_hf.version import require_torch
+
+FSDP_PARAM_ATTRIBUTES = ("padded_sharded_param_size", "sharded_size", "contiguous_sharded_stride",
+                         "sharded_param", "offload_to_cpu", "fsdp_placement")  # fmt: skip
+
+
+def param_groups(module: FSDPModule) -> list:
+    """The FSDPParamGroups of an FSDPModule (torch 2.13 may have several; 2.11 has at most one)."""
+    require_torch("2.9", "odc_hf's FSDP2 adapter (custom all-gather / reduce-scatter hooks)")
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:  # torch >= 2.12
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+def fsdp_params(group) -> list:
+    params = list(group.fsdp_params)
+    for p in params:
+        missing = [a for a in FSDP_PARAM_ATTRIBUTES if not hasattr(p, a)]
+        if missing:
+            raise RuntimeError(
+                f"torch {torch.__version__}: FSDPParam lacks {missing}; odc_hf's adapter was checked on torch 2.11 and 2.13"
+            )
+    return params
+
+
+def mesh_info(group):
+    return group.mesh_info, group.post_forward_mesh_info
+
+
+def all_gather_dtype(group, params: list) -> set:
+    """The dtype(s) FSDP will all-gather in: the policy's ``param_dtype`` if set, else each parameter's own.
+
+    (``FSDPParam.param_dtype`` is only set at FSDP's lazy init, after we install; the policy is there at once.)
+    """
+    policy_dtype = group.mp_policy.param_dtype
+    return {policy_dtype or fp.sharded_param.dtype for fp in params}

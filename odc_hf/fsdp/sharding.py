@@ -1,0 +1,58 @@
+"""Shard a transformers model the way accelerate's FSDP2 path does, for where accelerate does not.
+
+Accelerate ignores FSDP on a CPU-only host, so on CPU odc_hf applies ``fully_shard`` itself with the same
+unit grouping: one unit per transformer block (the model's ``_no_split_modules`` classes), the input
+embedding alone when untied, a tail unit ``[final norm, (input embedding,) output embedding]`` with
+``reshard_after_forward=False``, and the root. Tests use it to compare ODC with plain FSDP2 on the same units.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def _block_classes(model: torch.nn.Module) -> set[str]:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} declares no _no_split_modules; pass block_classes explicitly"
+        )
+    return names
+
+
+def _final_norm(model: torch.nn.Module):
+    inner = getattr(model, "model", None) or getattr(model, getattr(model, "base_model_prefix", ""), None)
+    return getattr(inner, "norm", None) if inner is not None else None
+
+
+def shard_model(
+    model: torch.nn.Module,
+    *,
+    mesh=None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    block_classes: set[str] | None = None,
+) -> torch.nn.Module:
+    """Apply ``fully_shard`` per block, to the embedding/tail units and to the root; returns the model."""
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "reshard_after_forward": reshard_after_forward,
+    }
+    classes = block_classes or _block_classes(model)
+    for module in list(model.modules()):
+        if type(module).__name__ in classes and not isinstance(module, FSDPModule):
+            fully_shard(module, **kwargs)
+    input_embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    output_embed = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = input_embed is not None and output_embed is not None and input_embed.weight is output_embed.weight
+    if not tied and input_embed is not None:
+        fully_shard(input_embed, **kwargs)
+    tail = [_final_norm(model), input_embed if tied else None, output_embed]
+    tail = [m for m in tail if m is not None and not isinstance(m, FSDPModule)]
+    if tail:
+        fully_shard(tail, **{**kwargs, "reshard_after_forward": False})
+    root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}
+    fully_shard(model, **root_kwargs)
+    return model

@@ -1,0 +1,187 @@
+"""Shared pieces of the FSDP adapter tests: a tiny Qwen2, seeded microbatches, and one training loop that runs
+as a single process (reference), as FSDP2 with collectives, or as FSDP2 with ODC."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 256
+
+
+def tiny_qwen2(seed: int = 0, *, tie: bool = True, layers: int = 2):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=tie, attn_implementation="sdpa", use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def schedule(counts: tuple[int, ...], minibatch: int) -> tuple[int, ...]:
+    """Per-rank microbatch counts of a minibatch: ``counts`` rotated, so every rank sometimes runs zero."""
+    k = minibatch % len(counts)
+    return counts[k:] + counts[:k]
+
+
+def microbatch(minibatch: int, index: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * minibatch + index)
+    length = int(torch.randint(8, 33, (1,), generator=g))
+    return torch.randint(0, VOCAB, (1, length), generator=g)
+
+
+def rank_microbatches(counts, minibatch: int, rank: int) -> list[torch.Tensor]:
+    per_rank = schedule(counts, minibatch)
+    start = sum(per_rank[:rank])
+    return [microbatch(minibatch, start + i) for i in range(per_rank[rank])]
+
+
+def all_microbatches(counts, minibatch: int) -> list[torch.Tensor]:
+    return [microbatch(minibatch, i) for i in range(sum(schedule(counts, minibatch)))]
+
+
+def loss_sum(model, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids.to(next(model.parameters()).device)).logits.float()
+    return F.cross_entropy(logits[0, :-1], ids[0, 1:].to(logits.device), reduction="sum")
+
+
+def tokens(batch: list[torch.Tensor]) -> int:
+    return sum(ids.numel() - 1 for ids in batch)
+
+
+def full(t) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
+
+
+def snapshot(model, grads: bool) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters or gradients; collective under FSDP, so every rank calls it."""
+    out = {}
+    for name, p in model.named_parameters():
+        if grads:
+            out[name] = full(p.grad) if p.grad is not None else torch.zeros(p.shape)
+        else:
+            out[name] = full(p)
+    return out
+
+
+def make_optimizer(model):
+    # SGD with momentum, not Adam: Adam's first steps are ~lr * sign(grad), so a 1e-7 summation-order
+    # difference in a near-zero gradient element flips a whole lr-sized update and the parameter comparison
+    # would measure that chaos instead of ODC's correctness. Momentum still exercises optimizer state.
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
+
+
+def reference_run(counts, minibatches: int, max_norm: float = 1.0):
+    """Single process, every microbatch of every rank, loss normalised by the minibatch's token count."""
+    model = tiny_qwen2()
+    opt = make_optimizer(model)
+    record = []
+    for m in range(minibatches):
+        batch = all_microbatches(counts, m)
+        total = tokens(batch)
+        for ids in batch:
+            (loss_sum(model, ids) / total).backward()
+        grads = snapshot(model, grads=True)
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        opt.step()
+        opt.zero_grad()
+        record.append({"grads": grads, "norm": norm, "params": snapshot(model, grads=False), "tokens": total})
+    return record
+
+
+def save_checkpoint(model, opt, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def load_checkpoint(model, opt, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", *, start=0, save_after=None,
+                    load_from=None, checkpoint_dir=None, max_norm=1.0, fail_rank=None):  # fmt: skip
+    """FSDP2 on the tiny Qwen2 with ``mode`` "odc" (uneven microbatch counts) or "fsdp" (collectives; counts
+    padded to the max with zero-weighted microbatches). Returns rank 0's record of grads/norms/params."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    from odc_hf.fsdp import install_odc, shard_model
+
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    model = tiny_qwen2().to(device)
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if policy == "bf16"
+        else None
+    )
+    shard_model(model, mp_policy=mp)
+    opt = make_optimizer(model)
+    odc = None
+    if mode == "odc":
+        odc = install_odc(model, timeout_s=30)
+        odc.attach_optimizer(opt)
+    else:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)  # SUM, like ODC and the reference
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    if load_from is not None:
+        load_checkpoint(model, opt, load_from)
+        if odc is not None:
+            odc.publish()  # peers must read the loaded shards, not the freshly initialised ones
+    record = []
+    for m in range(start, minibatches):
+        mine = rank_microbatches(counts, m, rank)
+        total = tokens(all_microbatches(counts, m))
+        weights = [1.0] * len(mine)
+        if mode == "fsdp":
+            pad = max(schedule(counts, m)) - len(mine)
+            mine, weights = mine + [microbatch(m, 0)] * pad, weights + [0.0] * pad
+        guard = odc.failure_guard() if odc is not None else _nullcontext()
+        with guard:
+            for i, (ids, w) in enumerate(zip(mine, weights)):
+                if fail_rank == rank and m == 1 and i == 0:
+                    raise RuntimeError("data loader exploded")
+                (loss_sum(model, ids) * w / total).backward()
+        if odc is not None:
+            got = odc.finish_minibatch(tokens(mine))
+            assert got == total, (got, total)
+        grads = snapshot(model, grads=True)
+        norm = float(full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+        record.append({"grads": grads, "norm": norm, "params": snapshot(model, grads=False), "tokens": total,
+                       "counts": schedule(counts, m)})  # fmt: skip
+        if save_after == m:
+            save_checkpoint(model, opt, checkpoint_dir)
+    if odc is not None:
+        odc.close()
+    return record if rank == 0 else None
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def max_rel_error(a: dict, b: dict) -> float:
+    worst = 0.0
+    for k in a:
+        denom = b[k].norm().item() or 1.0
+        worst = max(worst, (a[k] - b[k]).norm().item() / denom)
+    return worst
