@@ -4,6 +4,7 @@ microbatch counts per rank (including zero), fp32 and bf16 mixed precision; clip
 from __future__ import annotations
 
 import pytest
+import torch
 from fsdp_helpers import distributed_run, max_rel_error, reference_run
 
 from odc_hf.testing import run_ranks
@@ -17,11 +18,20 @@ def references():
     return {w: reference_run(COUNTS[w], MINIBATCHES) for w in COUNTS}
 
 
+def _backend(device: str, world_size: int) -> str:
+    if device == "cuda":
+        if torch.cuda.device_count() < world_size:
+            pytest.skip(f"needs {world_size} CUDA GPUs")
+        return "nccl"
+    return "gloo"
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_odc_fp32_matches_single_process_and_fsdp(world_size, references):
-    counts = COUNTS[world_size]
-    odc = run_ranks(distributed_run, world_size, counts, MINIBATCHES, "odc", "fp32")[0]
-    fsdp = run_ranks(distributed_run, world_size, counts, MINIBATCHES, "fsdp", "fp32")[0]
+def test_odc_fp32_matches_single_process_and_fsdp(world_size, device, references):
+    counts, backend = COUNTS[world_size], _backend(device, world_size)
+    odc = run_ranks(distributed_run, world_size, counts, MINIBATCHES, "odc", "fp32", backend=backend)[0]
+    fsdp = run_ranks(distributed_run, world_size, counts, MINIBATCHES, "fsdp", "fp32", backend=backend)[0]
     ref = references[world_size]
     assert all(len(set(r["counts"])) > 1 for r in odc), "microbatch counts must be uneven"
     if world_size == 4:
@@ -33,10 +43,11 @@ def test_odc_fp32_matches_single_process_and_fsdp(world_size, references):
             assert odc[m]["norm"] == pytest.approx(other["norm"], rel=1e-5)
 
 
-def test_odc_bf16_matches_fsdp_within_bf16_tolerance(references):
-    counts = COUNTS[2]
-    odc = run_ranks(distributed_run, 2, counts, MINIBATCHES, "odc", "bf16")[0]
-    fsdp = run_ranks(distributed_run, 2, counts, MINIBATCHES, "fsdp", "bf16")[0]
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_odc_bf16_matches_fsdp_within_bf16_tolerance(device, references):
+    counts, backend = COUNTS[2], _backend(device, 2)
+    odc = run_ranks(distributed_run, 2, counts, MINIBATCHES, "odc", "bf16", backend=backend)[0]
+    fsdp = run_ranks(distributed_run, 2, counts, MINIBATCHES, "fsdp", "bf16", backend=backend)[0]
     ref = references[2]
     for m in range(MINIBATCHES):
         # Same policy, same bf16 compute: only the fp32 summation order differs.

@@ -57,7 +57,7 @@ def _validate_unit(name: str, module: FSDPModule, groups: list, world_size: int)
         raise NotImplementedError(
             f"unit {name!r} is sharded on a {mesh.mesh.ndim}-D mesh (HSDP?); ODC needs a 1-D mesh"
         )
-    if post_forward is not None and post_forward is not mesh and post_forward.mesh.size() != mesh.mesh.size():
+    if post_forward is not None and post_forward.shard_mesh_size != mesh.shard_mesh_size:
         raise NotImplementedError(
             f"unit {name!r} uses an integer reshard_after_forward; ODC supports True/False only"
         )
@@ -104,14 +104,17 @@ class ODCHandle:
 
     # -- setup -------------------------------------------------------------------------------------
     def _install(self) -> None:
+        seen: set[int] = set()  # fully_shard([a, b, c]) makes three FSDPModules that share one param group
         for name, module in self.model.named_modules():
             if not isinstance(module, FSDPModule):
                 continue
             if getattr(module, "_odc_installed", False):
                 raise ODCError(f"ODC is already installed on {name or 'the root module'!r}")
             groups = internals.param_groups(module)
-            if not groups:
-                continue  # owns no parameters: FSDP never calls its comms
+            module._odc_installed = True
+            if not groups or id(groups[0]) in seen:
+                continue  # owns no parameters (FSDP never calls its comms), or its group is already done
+            seen.add(id(groups[0]))
             label = name or "<root>"
             params, dtype = _validate_unit(label, module, groups, self.world_size)
             offsets, total = [], 0
@@ -128,7 +131,6 @@ class ODCHandle:
             if hasattr(module, "set_reduce_scatter_unused_params"):  # torch >= 2.12: keeps the layout fixed
                 module.set_reduce_scatter_unused_params(True, recurse=False)
                 self.reduces_unused_params = True
-            module._odc_installed = True
             self.units.append(unit)
         if not self.units:
             raise ValueError(
