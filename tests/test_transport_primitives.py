@@ -103,14 +103,14 @@ def _scatter_ranks(rank, world_size, backend, seed, rounds):
                 for row in mine[u]:
                     if delay.random() < 0.2:
                         time.sleep(delay.random() * 2e-3)
-                    transport.scatter_accumulate(u, row.to(device))
+                    transport.scatter_accumulate(u, row.to(device), include_self=(u == 0))
             total = transport.barrier(count=rank + rnd, what="minibatch barrier")
             totals.append(total)
             for u, n, d in zip(units, sizes, dtypes):
                 got = transport.take_accumulated(u).cpu()
                 want = torch.zeros(n, dtype=torch.float64)
                 for sender in range(world_size):
-                    if sender != rank:
+                    if sender != rank or u == 0:  # unit 0's pushes include the sender's own row
                         for row in _pushes(seed, rnd * 100 + u, sender, world_size, n, d):
                             want += row.view(world_size, n)[rank].double()
                 assert got.dtype == torch.float32

@@ -64,8 +64,9 @@ class BundleCollator:
         pad_token_id: token of dummy microbatches (never trained on).
     """
 
-    def __init__(self, *, max_tokens_per_microbatch: int | None = None, truncate: bool = False,
-                 pad_token_id: int = 0):
+    def __init__(
+        self, *, max_tokens_per_microbatch: int | None = None, truncate: bool = False, pad_token_id: int = 0
+    ):
         if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
         if truncate and max_tokens_per_microbatch is None:

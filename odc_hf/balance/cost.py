@@ -88,10 +88,18 @@ class FlopCostModel(CostModel):
     @classmethod
     def from_config(cls, config) -> FlopCostModel:
         """Build from a dense decoder config (Llama/Qwen2/Mistral-style attribute names)."""
-        needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        needed = (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
         missing = [name for name in needed if getattr(config, name, None) is None]
         if missing:
-            raise ValueError(f"config {type(config).__name__} lacks {missing}; build FlopCostModel(...) directly")
+            raise ValueError(
+                f"config {type(config).__name__} lacks {missing}; build FlopCostModel(...) directly"
+            )
         hidden, layers = config.hidden_size, config.num_hidden_layers
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -143,8 +151,8 @@ class QuadraticCostModel(CostModel):
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"QuadraticCostModel.{name} must be finite and >= 0, got {value}")
-        if self.b == 0 and self.c == 0:
-            raise ValueError("QuadraticCostModel needs b > 0 or c > 0, otherwise every document costs nothing")
+        if self.a == 0 and self.b == 0 and self.c == 0:
+            raise ValueError("QuadraticCostModel needs a, b or c > 0, otherwise everything costs nothing")
 
     @property
     def overhead(self) -> float:  # type: ignore[override]
@@ -160,7 +168,9 @@ class QuadraticCostModel(CostModel):
 
         Coefficients are constrained to be >= 0 (a negative overhead or slope would make the planner
         prefer more microbatches or longer documents): with three unknowns, every subset of active
-        coefficients is solved and the best feasible one kept, which is exact NNLS.
+        coefficients is solved and the best feasible one kept, which is exact NNLS. Timings that do not
+        grow with length (a launch-bound device) give b = c = 0: then only the overhead matters and
+        the planners balance tokens, through the overhead share of each document.
         """
         s = as_lengths(lengths)
         t = np.asarray(seconds, dtype=np.float64)
@@ -184,8 +194,8 @@ class QuadraticCostModel(CostModel):
                     full = np.zeros(3)
                     full[list(active)] = coef
                     best, best_residual = full, residual
-        if best is None or (best[1] == 0 and best[2] == 0):
-            raise ValueError("timings do not grow with length; cannot fit a useful cost model")
+        if best is None or not best.any():
+            raise ValueError("all timings are zero; cannot fit a cost model")
         a, b, c = best / scale
         return cls(a=float(a), b=float(b), c=float(c))
 

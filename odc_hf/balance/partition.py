@@ -19,11 +19,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["karmarkar_karp", "lpt", "refine", "part_sums"]
+__all__ = [
+    "karmarkar_karp",
+    "karmarkar_karp_labels",
+    "labels_to_parts",
+    "lpt",
+    "part_sums",
+    "refine",
+    "refine_labels",
+]
 
 # A refinement step must lower the pair's maximum by more than this fraction of the largest cost,
 # so floating-point noise cannot make it loop.
 _RELATIVE_TOLERANCE = 1e-12
+# Swaps are searched with this many of the lightest parts (bounds a round's work to O((n/k)^2)).
+_SWAP_PARTNERS = 8
 
 
 def _validate(costs, num_parts: int) -> np.ndarray:
@@ -55,30 +65,45 @@ def lpt(costs, num_parts: int) -> list[list[int]]:
     return [sorted(part) for part in parts]
 
 
-def karmarkar_karp(costs, num_parts: int) -> list[list[int]]:
-    """Largest differencing method for ``num_parts`` parts; returns item indices per part.
+def _initial_tuples(order: np.ndarray, k: int, max_tuples: int) -> list[np.ndarray]:
+    """Items (sorted by decreasing cost) -> the item ids of each starting k-tuple.
+
+    Textbook LDM starts every item alone (n tuples, n - 1 merges). Past ``max_tuples`` items,
+    consecutive items in sorted order start together, g = ceil(n / max_tuples) <= k per tuple (one per
+    subset), which bounds the merges. Uniform groups matter: mixing large singletons with groups of
+    small items leaves the singletons' imbalance to tuples whose small spreads cannot undo it.
+    """
+    group = min(k, -(-order.size // max_tuples))
+    return [order[i : i + group] for i in range(0, order.size, group)]
+
+
+def karmarkar_karp_labels(costs, num_parts: int, *, max_tuples: int | None = None) -> np.ndarray:
+    """Largest differencing method; returns the part of each item (part 0 has the largest sum).
 
     Each tuple is kept as (subset sums sorted descending, subset ids aligned with them). Merging
     pairs A's subsets heaviest-first with B's lightest-first, then re-sorts: one argsort of k numbers.
     Which items a subset holds is tracked with union-find over item ids (an item's id names the
-    subset it started in), so a merge costs O(k) array work and no list copying; that keeps 4096
-    items x 64 parts well under 100 ms.
+    subset it started in), so a merge costs O(k log k) array work and no list copying.
+    ``max_tuples`` (default 8192 // num_parts, at least 64) caps the number of starting tuples,
+    see :func:`_initial_tuples`.
     """
     costs = _validate(costs, num_parts)
     n, k = costs.size, int(num_parts)
-    if n == 0:
-        return [[] for _ in range(k)]
+    if n == 0 or k == 1:
+        return np.zeros(n, dtype=np.int64)
+    if max_tuples is None:
+        max_tuples = max(64, 8192 // k)
+    order = np.argsort(-costs, kind="stable")
     parent = np.arange(n)
-    # heap entries: (-spread, creation counter, sums, ids); the counter breaks ties deterministically
-    heap = []
-    for item in np.argsort(-costs, kind="stable").tolist():
+    heap = []  # (-spread, creation counter, sums, ids); the counter breaks ties deterministically
+    for counter, members in enumerate(_initial_tuples(order, k, max_tuples)):
         sums = np.zeros(k)
-        sums[0] = costs[item]
+        sums[: members.size] = costs[members]
         ids = np.full(k, -1)
-        ids[0] = item
-        heap.append((-costs[item], item, sums, ids))
+        ids[: members.size] = members
+        heap.append((-(sums[0] - sums[-1]), counter, sums, ids))
     heapq.heapify(heap)
-    counter = n
+    counter = len(heap)
     while len(heap) > 1:
         _, _, sums_a, ids_a = heapq.heappop(heap)
         _, _, sums_b, ids_b = heapq.heappop(heap)
@@ -91,7 +116,7 @@ def karmarkar_karp(costs, num_parts: int) -> list[list[int]]:
         merged, ids = merged[order], ids[order]
         heapq.heappush(heap, (-(merged[0] - merged[-1]), counter, merged, ids))
         counter += 1
-    _, _, _, ids = heap[0]
+    ids = heap[0][3]
     # resolve every item to its root subset by pointer jumping (log depth rounds, all vectorised)
     while True:
         grand = parent[parent]
@@ -101,68 +126,98 @@ def karmarkar_karp(costs, num_parts: int) -> list[list[int]]:
     slot_of_root = np.full(n, -1)
     valid = ids >= 0
     slot_of_root[ids[valid]] = np.nonzero(valid)[0]
-    slots = slot_of_root[parent]
-    order = np.argsort(slots, kind="stable")  # items ascending within each part
-    bounds = np.searchsorted(slots[order], np.arange(k + 1))
-    return [order[bounds[p] : bounds[p + 1]].tolist() for p in range(k)]
+    return slot_of_root[parent]
 
 
-def refine(parts: Sequence[Sequence[int]], costs, *, max_rounds: int | None = None) -> list[list[int]]:
-    """Improve a partition by moves/swaps that lower the heavier part of a pair (the heaviest part).
+def labels_to_parts(labels: np.ndarray, num_parts: int) -> list[list[int]]:
+    """Part label per item -> item indices per part, ascending."""
+    order = np.argsort(labels, kind="stable")
+    bounds = np.searchsorted(labels[order], np.arange(num_parts + 1))
+    return [order[bounds[p] : bounds[p + 1]].tolist() for p in range(num_parts)]
 
-    Each round looks at the heaviest part h (lowest index among ties) and picks, over all single
-    moves out of h into the lightest part and all swaps of one item of h with one item of another
-    part p, the change that minimises max(new sum of h, new sum of p); it is applied only if that is
-    strictly below sum(h). The multiset of part sums then decreases lexicographically, so the loop
-    ends; ``max_rounds`` (default 4·(items + parts)) bounds the work anyway.
+
+def karmarkar_karp(costs, num_parts: int, *, max_tuples: int | None = None) -> list[list[int]]:
+    """Largest differencing method for ``num_parts`` parts: item indices per part, heaviest part first."""
+    labels = karmarkar_karp_labels(costs, num_parts, max_tuples=max_tuples)
+    return labels_to_parts(labels, int(num_parts))
+
+
+def refine(
+    parts: Sequence[Sequence[int]], costs, *, max_rounds: int | None = None, tolerance: float = 1e-5
+) -> list[list[int]]:
+    """Improve a partition by moves/swaps that lower the heaviest part; returns item indices per part.
+
+    Each round takes the heaviest part h (lowest index among ties) and, over all moves of one of its
+    items into the lightest part and all swaps of one of its items with an item of one of the 8
+    lightest parts p, picks the change minimising max(new sum of h, new sum of p); it is applied only
+    if that is strictly below sum(h). The sorted vector of part sums then decreases lexicographically,
+    so the loop ends. It also stops once the heaviest part is within ``tolerance`` (relative) of the
+    trivial bound max(total / parts, largest item), and after ``max_rounds`` (default 4·(items + parts)).
     """
     costs = np.asarray(costs, dtype=np.float64)
     k = len(parts)
     if k == 0:
         raise ValueError("refine needs at least one part")
-    assignment = np.full(costs.size, -1)
+    labels = np.full(costs.size, -1)
     for p, part in enumerate(parts):
         for item in part:
-            if not 0 <= item < costs.size or assignment[item] != -1:
+            if not 0 <= item < costs.size or labels[item] != -1:
                 raise ValueError(f"item {item} is out of range or appears in more than one part")
-            assignment[item] = p
-    if np.any(assignment < 0):
-        raise ValueError(f"items {np.nonzero(assignment < 0)[0].tolist()[:10]} are in no part")
+            labels[item] = p
+    if np.any(labels < 0):
+        raise ValueError(f"items {np.nonzero(labels < 0)[0].tolist()[:10]} are in no part")
+    return labels_to_parts(refine_labels(labels, costs, k, max_rounds=max_rounds, tolerance=tolerance), k)
+
+
+def refine_labels(
+    labels: np.ndarray,
+    costs: np.ndarray,
+    num_parts: int,
+    *,
+    max_rounds: int | None = None,
+    tolerance: float = 1e-5,
+) -> np.ndarray:
+    """:func:`refine` on a part label per item (returns new labels)."""
+    labels = np.array(labels, dtype=np.int64)
+    k = num_parts
     if k == 1 or costs.size == 0:
-        return [sorted(int(i) for i in part) for part in parts]
-    sums = np.bincount(assignment, weights=costs, minlength=k)
+        return labels
+    sums = np.bincount(labels, weights=costs, minlength=k)
     eps = _RELATIVE_TOLERANCE * max(float(costs.max()), 1e-300)
+    good_enough = (1.0 + tolerance) * max(float(costs.sum()) / k, float(costs.max()))
     rounds = max_rounds if max_rounds is not None else 4 * (costs.size + k)
     for _ in range(rounds):
         h = int(np.argmax(sums))
+        if sums[h] <= good_enough:
+            break
         light = int(np.argmin(sums))
-        in_h = np.nonzero(assignment == h)[0]
+        in_h = np.nonzero(labels == h)[0]
         best_value, best_change = sums[h] - eps, None
-        # moves: item x from h to the lightest part
+        # moves: x from h to the lightest part
         if light != h and in_h.size:
             values = np.maximum(sums[h] - costs[in_h], sums[light] + costs[in_h])
             i = int(np.argmin(values))
             if values[i] < best_value:
                 best_value, best_change = values[i], (int(in_h[i]), None)
-        # swaps: x in h with y in p != h; new sums h - (x - y) and p + (x - y)
-        others = np.nonzero(assignment != h)[0]
+        # swaps: x in h with y in one of the lightest parts p; new sums h - (x - y) and p + (x - y).
+        # The pair's max can't drop below (sum h + sum p) / 2, so light partners are where gains are.
+        partners = np.argsort(sums, kind="stable")[: _SWAP_PARTNERS + 1]
+        others = np.nonzero(np.isin(labels, partners[partners != h]))[0]
         if in_h.size and others.size:
             delta = costs[in_h][:, None] - costs[others][None, :]
-            values = np.maximum(sums[h] - delta, sums[assignment[others]][None, :] + delta)
-            flat = int(np.argmin(values))
-            i, j = divmod(flat, others.size)
+            values = np.maximum(sums[h] - delta, sums[labels[others]][None, :] + delta)
+            i, j = divmod(int(np.argmin(values)), others.size)
             if values[i, j] < best_value:
                 best_value, best_change = values[i, j], (int(in_h[i]), int(others[j]))
         if best_change is None:
             break
         x, y = best_change
-        if y is None:
-            assignment[x] = light
-            sums[h] -= costs[x]
-            sums[light] += costs[x]
-        else:
-            p = int(assignment[y])
-            assignment[x], assignment[y] = p, h
-            sums[h] += costs[y] - costs[x]
-            sums[p] += costs[x] - costs[y]
-    return [np.nonzero(assignment == p)[0].tolist() for p in range(k)]
+        p = light if y is None else int(labels[y])
+        labels[x] = p
+        moved = costs[x]
+        if y is not None:
+            labels[y] = h
+            moved -= costs[y]
+        sums[h] -= moved
+        sums[p] += moved
+    return labels

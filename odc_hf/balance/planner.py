@@ -20,10 +20,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from .cost import CostModel
-from .partition import karmarkar_karp, refine
+from .partition import karmarkar_karp_labels, labels_to_parts, refine_labels
 from .plan import Plan
 
-__all__ = ["Plan", "makespan_lower_bound", "pack_first_fit_decreasing", "plan_lb_mini", "plan_lb_micro", "plan_none"]
+__all__ = [
+    "Plan",
+    "makespan_lower_bound",
+    "pack_first_fit_decreasing",
+    "plan_lb_mini",
+    "plan_lb_micro",
+    "plan_none",
+]
 
 
 def _effective_lengths(lengths, max_tokens: int, truncate: bool) -> np.ndarray:
@@ -32,7 +39,9 @@ def _effective_lengths(lengths, max_tokens: int, truncate: bool) -> np.ndarray:
         raise ValueError(f"max_tokens_per_microbatch must be a positive integer, got {max_tokens}")
     arr = np.asarray(lengths)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"lengths must be a 1-D sequence of integers, got {arr.dtype} with shape {arr.shape}")
+        raise ValueError(
+            f"lengths must be a 1-D sequence of integers, got {arr.dtype} with shape {arr.shape}"
+        )
     arr = arr.astype(np.int64)
     if arr.size and arr.min() < 0:
         raise ValueError(f"lengths must be >= 0; sample {int(np.argmin(arr))} has length {int(arr.min())}")
@@ -52,8 +61,9 @@ def _validate_world_size(world_size: int) -> int:
     return int(world_size)
 
 
-def makespan_lower_bound(lengths, world_size: int, max_tokens_per_microbatch: int, cost_model: CostModel,
-                         *, truncate: bool = False) -> float:
+def makespan_lower_bound(
+    lengths, world_size: int, max_tokens_per_microbatch: int, cost_model: CostModel, *, truncate: bool = False
+) -> float:
     """No plan can finish faster: max(total cost / W, cost of the single most expensive microbatch).
 
     The total counts each document once plus the per-microbatch overhead of the fewest microbatches
@@ -70,42 +80,59 @@ def makespan_lower_bound(lengths, world_size: int, max_tokens_per_microbatch: in
     return max(total / world_size, cost_model.overhead + float(costs.max()))
 
 
-def pack_first_fit_decreasing(indices: Sequence[int], lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
+def pack_first_fit_decreasing(
+    indices: Sequence[int], lengths: np.ndarray, max_tokens: int
+) -> list[list[int]]:
     """Pack samples into as few microbatches of <= ``max_tokens`` tokens as first-fit decreasing finds.
 
     Fewer microbatches means less fixed per-microbatch overhead. Longest first (ties: lower index),
-    so the first microbatch holds the heaviest sample.
+    so the first microbatch holds the heaviest sample. A rank has few bins, so a plain scan is fastest.
     """
     items = np.asarray(indices, dtype=np.int64)
     items = items[np.lexsort((items, -lengths[items]))]
     bins: list[list[int]] = []
-    room = np.empty(len(items), dtype=np.int64)
-    for item in items.tolist():
-        fits = np.nonzero(room[: len(bins)] >= lengths[item])[0]
-        if fits.size:
-            b = int(fits[0])
+    room: list[int] = []
+    for item, size in zip(items.tolist(), lengths[items].tolist()):
+        for b, free in enumerate(room):
+            if free >= size:
+                bins[b].append(item)
+                room[b] = free - size
+                break
         else:
-            b = len(bins)
-            bins.append([])
-            room[b] = max_tokens
-        bins[b].append(item)
-        room[b] -= lengths[item]
+            bins.append([item])
+            room.append(max_tokens - size)
     return bins
 
 
-def _make_plan(mode, microbatches, eff, cost_model, max_tokens, world_size, truncate, sort_heaviest_first):
-    costs = [[cost_model.microbatch_cost(eff[mb]) if mb else 0.0 for mb in mbs] for mbs in microbatches]
-    if sort_heaviest_first:
+def _make_plan(mode, microbatches, doc_costs, cost_model, bound, *, heaviest_first):
+    """Price every microbatch (empty ones cost 0) and wrap it all in a Plan."""
+    cost_list = doc_costs.tolist()
+    overhead = cost_model.overhead
+    costs = [[overhead + sum(cost_list[i] for i in mb) if mb else 0.0 for mb in mbs] for mbs in microbatches]
+    if heaviest_first:
         orders = [sorted(range(len(c)), key=lambda j, c=c: (-c[j], j)) for c in costs]
         microbatches = [[mbs[j] for j in order] for mbs, order in zip(microbatches, orders)]
         costs = [[c[j] for j in order] for c, order in zip(costs, orders)]
-    bound = makespan_lower_bound(eff, world_size, max_tokens, cost_model, truncate=truncate)
-    return Plan(mode=mode, microbatches=microbatches, microbatch_costs=costs, lower_bound=bound,
-                cost_model=cost_model.describe())
+    return Plan(
+        mode=mode,
+        microbatches=microbatches,
+        microbatch_costs=costs,
+        lower_bound=bound,
+        cost_model=cost_model.describe(),
+    )
 
 
-def plan_lb_mini(lengths, world_size: int, max_tokens_per_microbatch: int, cost_model: CostModel,
-                 *, truncate: bool = False) -> Plan:
+def _prepare(lengths, world_size, max_tokens, cost_model, truncate):
+    world_size = _validate_world_size(world_size)
+    eff = _effective_lengths(lengths, max_tokens, truncate)
+    doc_costs = cost_model.doc_costs(eff)
+    bound = makespan_lower_bound(eff, world_size, max_tokens, cost_model)
+    return world_size, eff, doc_costs, bound
+
+
+def plan_lb_mini(
+    lengths, world_size: int, max_tokens_per_microbatch: int, cost_model: CostModel, *, truncate: bool = False
+) -> Plan:
     """LB-Mini: balance each rank's total cost; ranks may run different numbers of microbatches.
 
     Samples are partitioned by weight = document cost + the overhead its tokens will cost
@@ -115,86 +142,101 @@ def plan_lb_mini(lengths, world_size: int, max_tokens_per_microbatch: int, cost_
     second candidate: the plan with the lower predicted ODC time wins, which guarantees LB-Mini never
     predicts worse than LB-Micro (ties keep the Karmarkar-Karp plan).
     """
-    world_size = _validate_world_size(world_size)
-    eff = _effective_lengths(lengths, max_tokens_per_microbatch, truncate)
-    weights = cost_model.doc_costs(eff) + cost_model.overhead * eff / max_tokens_per_microbatch
-    parts = refine(karmarkar_karp(weights, world_size), weights)
+    world_size, eff, doc_costs, bound = _prepare(
+        lengths, world_size, max_tokens_per_microbatch, cost_model, truncate
+    )
+    weights = doc_costs + cost_model.overhead * eff / max_tokens_per_microbatch
+    labels = refine_labels(karmarkar_karp_labels(weights, world_size), weights, world_size)
+    parts = labels_to_parts(labels, world_size)
     microbatches = [pack_first_fit_decreasing(part, eff, max_tokens_per_microbatch) for part in parts]
-    plan = _make_plan("lb_mini", microbatches, eff, cost_model, max_tokens_per_microbatch, world_size,
-                      truncate, sort_heaviest_first=True)
-    micro = plan_lb_micro(eff, world_size, max_tokens_per_microbatch, cost_model)
+    plan = _make_plan("lb_mini", microbatches, doc_costs, cost_model, bound, heaviest_first=True)
+    micro = _lb_micro(eff, world_size, max_tokens_per_microbatch, cost_model, doc_costs, bound)
     if micro.predicted_odc_time < plan.predicted_odc_time:
         kept = [[mb for mb in mbs if mb] for mbs in micro.microbatches]
-        plan = _make_plan("lb_mini", kept, eff, cost_model, max_tokens_per_microbatch, world_size,
-                          truncate, sort_heaviest_first=True)
+        plan = _make_plan("lb_mini", kept, doc_costs, cost_model, bound, heaviest_first=True)
     return plan
 
 
-def _cost_balanced_microbatches(eff, costs, num_parts, max_tokens):
-    """Split into ``num_parts`` cost-balanced groups within the token budget, or None if none found.
+def _cost_balanced_labels(eff, costs, num_parts, max_tokens):
+    """Split into ``num_parts`` cost-balanced groups within the token budget (labels), or None.
 
-    Karmarkar-Karp on cost first; if some group overflows the budget, a budget-aware greedy (costliest
-    sample to the cheapest group that still has room). With num_parts >= samples the greedy always
-    succeeds (every sample fits an empty group), which bounds the search over k in plan_lb_micro.
+    Karmarkar-Karp on cost, then a repair of the (few) groups over the token budget: while a group
+    is over, move out the smallest sample that alone brings it within budget (or else its largest) to
+    the cheapest group with room for it. Balancing cost crowds short documents together, so some
+    groups overflow; moving a few of them disturbs the balance least. With num_parts >= samples every
+    sample gets its own group, which is always feasible and bounds the search over k in plan_lb_micro.
     """
-    parts = karmarkar_karp(costs, num_parts)
-    if all(eff[part].sum() <= max_tokens for part in parts):
-        return parts
     if num_parts >= eff.size:
-        return [[i] for i in range(eff.size)] + [[] for _ in range(num_parts - eff.size)]
-    loads = np.zeros(num_parts)
-    room = np.full(num_parts, max_tokens, dtype=np.int64)
-    parts = [[] for _ in range(num_parts)]
-    for item in np.argsort(-costs, kind="stable").tolist():
-        open_parts = np.nonzero(room >= eff[item])[0]
-        if open_parts.size == 0:
-            return None
-        p = int(open_parts[np.argmin(loads[open_parts])])
-        parts[p].append(item)
-        loads[p] += costs[item]
-        room[p] -= eff[item]
-    return parts
+        return np.arange(eff.size)
+    labels = karmarkar_karp_labels(costs, num_parts)
+    tokens = np.bincount(labels, weights=eff, minlength=num_parts)
+    loads = np.bincount(labels, weights=costs, minlength=num_parts)
+    for part in np.nonzero(tokens > max_tokens)[0].tolist():
+        while tokens[part] > max_tokens:
+            members = np.nonzero(labels == part)[0]
+            members = members[np.lexsort((members, eff[members]))]  # ascending size, ties by index
+            enough = members[eff[members] >= tokens[part] - max_tokens]
+            item = int(enough[0] if enough.size else members[-1])
+            room_ok = (max_tokens - tokens >= eff[item]) & (np.arange(num_parts) != part)
+            if not room_ok.any():
+                return None
+            target = int(np.argmin(np.where(room_ok, loads, np.inf)))
+            labels[item] = target
+            for array, amount in ((tokens, eff[item]), (loads, costs[item])):
+                array[part] -= amount
+                array[target] += amount
+    return labels
 
 
-def plan_lb_micro(lengths, world_size: int, max_tokens_per_microbatch: int, cost_model: CostModel,
-                  *, truncate: bool = False) -> Plan:
-    """LB-Micro: equal microbatch count k on every rank, balanced per microbatch index (FSDP-compatible).
-
-    k starts at ceil(total tokens / (W · budget)) and grows until W·k cost-balanced microbatches all
-    fit the budget. The W·k microbatches are sorted by cost and cut into k groups of W (sorted
-    grouping minimises Σ_j max over the group); inside each group the costliest microbatch goes to the
-    rank with the least work so far, which also evens out per-rank totals.
-    """
-    world_size = _validate_world_size(world_size)
-    eff = _effective_lengths(lengths, max_tokens_per_microbatch, truncate)
+def _lb_micro(eff, world_size, max_tokens, cost_model, doc_costs, bound) -> Plan:
     if eff.size == 0:
-        return _make_plan("lb_micro", [[] for _ in range(world_size)], eff, cost_model,
-                          max_tokens_per_microbatch, world_size, truncate, sort_heaviest_first=False)
-    doc_costs = cost_model.doc_costs(eff)
-    k = max(1, math.ceil(int(eff.sum()) / (world_size * max_tokens_per_microbatch)))
-    while (parts := _cost_balanced_microbatches(eff, doc_costs, world_size * k, max_tokens_per_microbatch)) is None:
+        return _make_plan(
+            "lb_micro", [[] for _ in range(world_size)], doc_costs, cost_model, bound, heaviest_first=False
+        )
+    k = max(1, math.ceil(int(eff.sum()) / (world_size * max_tokens)))
+    while (labels := _cost_balanced_labels(eff, doc_costs, world_size * k, max_tokens)) is None:
         k += 1
-    part_costs = np.array([cost_model.microbatch_cost(eff[part]) if part else 0.0 for part in parts])
+    parts = labels_to_parts(labels, world_size * k)
+    sizes = np.bincount(labels, minlength=world_size * k)
+    part_costs = np.bincount(labels, weights=doc_costs, minlength=world_size * k)
+    part_costs = np.where(sizes > 0, part_costs + cost_model.overhead, 0.0)
     order = np.argsort(-part_costs, kind="stable")
     microbatches: list[list[list[int]]] = [[] for _ in range(world_size)]
     busy = np.zeros(world_size)
+    ranks_by_index = np.arange(world_size)
     for j in range(k):
-        group = order[j * world_size : (j + 1) * world_size]  # already costliest first
-        taken = np.zeros(world_size, dtype=bool)
-        for p in group.tolist():
-            rank = int(np.argmin(np.where(taken, np.inf, busy)))
-            taken[rank] = True
+        group = order[j * world_size : (j + 1) * world_size]  # costliest first
+        ranks = np.lexsort((ranks_by_index, busy))  # least busy first (ties: lower rank)
+        for p, rank in zip(group.tolist(), ranks.tolist()):
             microbatches[rank].append(parts[p])
-            busy[rank] += part_costs[p]
-    return _make_plan("lb_micro", microbatches, eff, cost_model, max_tokens_per_microbatch, world_size,
-                      truncate, sort_heaviest_first=False)
+        busy[ranks] += part_costs[group]
+    return _make_plan("lb_micro", microbatches, doc_costs, cost_model, bound, heaviest_first=False)
 
 
-def plan_none(lengths, world_size: int, max_tokens_per_microbatch: int, cost_model: CostModel,
-              *, truncate: bool = False) -> Plan:
+def plan_lb_micro(
+    lengths, world_size: int, max_tokens_per_microbatch: int, cost_model: CostModel, *, truncate: bool = False
+) -> Plan:
+    """LB-Micro: equal microbatch count k on every rank, balanced per microbatch index (FSDP-compatible).
+
+    k starts at ceil(total tokens / (W · budget)) and grows until W·k cost-balanced microbatches all
+    fit the budget (so k is the smallest count for which this search finds a feasible split). The W·k
+    microbatches are sorted by cost and cut into k groups of W (sorted grouping minimises Σ_j of the
+    group maxima); inside a group the costliest microbatch goes to the rank with the least work so far,
+    which also evens out per-rank totals.
+    """
+    world_size, eff, doc_costs, bound = _prepare(
+        lengths, world_size, max_tokens_per_microbatch, cost_model, truncate
+    )
+    return _lb_micro(eff, world_size, max_tokens_per_microbatch, cost_model, doc_costs, bound)
+
+
+def plan_none(
+    lengths, world_size: int, max_tokens_per_microbatch: int, cost_model: CostModel, *, truncate: bool = False
+) -> Plan:
     """No balancing: sample i to rank i mod W, packed in order, padded with dummies to equal counts."""
-    world_size = _validate_world_size(world_size)
-    eff = _effective_lengths(lengths, max_tokens_per_microbatch, truncate)
+    world_size, eff, doc_costs, bound = _prepare(
+        lengths, world_size, max_tokens_per_microbatch, cost_model, truncate
+    )
     microbatches: list[list[list[int]]] = []
     for rank in range(world_size):
         mbs: list[list[int]] = []
@@ -208,8 +250,7 @@ def plan_none(lengths, world_size: int, max_tokens_per_microbatch: int, cost_mod
         microbatches.append(mbs)
     width = max(len(mbs) for mbs in microbatches)
     microbatches = [mbs + [[] for _ in range(width - len(mbs))] for mbs in microbatches]
-    return _make_plan("none", microbatches, eff, cost_model, max_tokens_per_microbatch, world_size,
-                      truncate, sort_heaviest_first=False)
+    return _make_plan("none", microbatches, doc_costs, cost_model, bound, heaviest_first=False)
 
 
 PLANNERS = {"lb_mini": plan_lb_mini, "lb_micro": plan_lb_micro, "none": plan_none}

@@ -66,8 +66,11 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
             raise ValueError("lengths must be a 1-D sequence of integer token counts")
         if lengths.size and lengths.min() < 0:
             raise ValueError(f"dataset sample {int(np.argmin(lengths))} has a negative length")
-        for name, value in (("world_size", world_size), ("minibatch_size", minibatch_size),
-                            ("max_tokens_per_microbatch", max_tokens_per_microbatch)):
+        for name, value in (
+            ("world_size", world_size),
+            ("minibatch_size", minibatch_size),
+            ("max_tokens_per_microbatch", max_tokens_per_microbatch),
+        ):
             if int(value) != value or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
         if not 0 <= rank < world_size:
@@ -125,8 +128,13 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
         """The full plan (all ranks, dataset indices) of this epoch's ``step``; same on every rank."""
         indices = self.minibatch_indices(step)
         planner = PLANNERS[self.mode]
-        plan = planner(self.lengths[indices], self.world_size, self.max_tokens_per_microbatch,
-                       self.cost_model, truncate=self.truncate)
+        plan = planner(
+            self.lengths[indices],
+            self.world_size,
+            self.max_tokens_per_microbatch,
+            self.cost_model,
+            truncate=self.truncate,
+        )
         return plan.remap(indices)
 
     def __iter__(self) -> Iterator[list[list[int]]]:

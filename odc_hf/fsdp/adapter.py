@@ -9,10 +9,12 @@
         odc.finish_minibatch(local_token_count) # the one synchronisation; returns the global count
         clip_grad_norm_(...); optimizer.step(); optimizer.zero_grad()
 
-Gradients: the own row of every reduce-scatter flows through FSDP into ``param.grad`` (fp32 under the usual
-mixed precision), the other rows are accumulated in their owners' fp32 accumulators; ``finish_minibatch``
-adds the accumulator into ``param.grad`` (creating it on ranks that ran no microbatch). FSDP's own gradient
-division is switched off: the comm sees a plain SUM, so normalise the loss by the global token count.
+Gradients: every row of every reduce-scatter (this rank's own too) is added into its owner's fp32
+accumulator; ``finish_minibatch`` makes each ``param.grad`` a view of this rank's accumulator (no copy; ranks
+that ran no microbatch get theirs the same way). So gradients are valid from ``finish_minibatch`` until
+``publish()``, which zeroes the accumulators for the next minibatch; during the minibatch ``param.grad``
+reads as zeros. FSDP's own gradient division is switched off: the comm sees a plain SUM, so normalise the
+loss by the global token count.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class ODCHandle:
         self.published = False
         self.pushes = 0
         self.reduces_unused_params = False
+        self._zero_outputs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._closed = False
 
     # -- setup -------------------------------------------------------------------------------------
@@ -148,6 +151,16 @@ class ODCHandle:
     def note_push(self, unit: ODCUnit) -> None:
         self.pushes += 1
 
+    def zero_output(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A view of one all-zero buffer (per dtype and device) shared by every unit's reduce-scatter output."""
+        key = (dtype, torch.device(device))
+        buffer = self._zero_outputs.get(key)
+        if buffer is None or buffer.numel() < numel:
+            largest = max(u.spec.shard_numel for u in self.units)
+            buffer = torch.zeros(max(numel, largest), dtype=dtype, device=device)
+            self._zero_outputs[key] = buffer
+        return buffer[:numel]
+
     # -- the minibatch lifecycle -------------------------------------------------------------------
     @torch.no_grad()
     def finish_minibatch(self, local_tokens: float = 0.0) -> float:
@@ -160,16 +173,14 @@ class ODCHandle:
         self.transport.minibatch = self.minibatch
         total = self.transport.barrier(local_tokens, what="minibatch barrier")
         for unit in self.units:
-            accumulated = self.transport.take_accumulated(unit.id)
+            accumulated = self.transport.accumulated(unit.id)
             for fp, offset in zip(unit.fsdp_params, unit.offsets):
                 param = fp.sharded_param
-                shard = torch.as_strided(accumulated, fp.sharded_size, fp.contiguous_sharded_stride, offset)
-                if param.grad is None:
-                    local = shard.to(param.dtype, copy=True)
-                    param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                                    shape=param.size(), stride=param.stride())  # fmt: skip
-                else:
-                    param.grad.to_local().add_(shard)
+                local = torch.as_strided(accumulated, fp.sharded_size, fp.contiguous_sharded_stride, offset)
+                if local.dtype != param.dtype:  # parameters kept in bf16: the gradient must match
+                    local = local.to(param.dtype)
+                param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                                shape=param.size(), stride=param.stride())  # fmt: skip
         self.minibatch += 1
         self.published = False
         self.pushes = 0
@@ -177,8 +188,10 @@ class ODCHandle:
 
     @torch.no_grad()
     def publish(self) -> None:
-        """Write every unit's current shard (cast to the all-gather dtype) for peers to read; then sync once."""
+        """Write every unit's current shard (cast to the all-gather dtype) for peers to read, zero the
+        accumulators (ending the gradients' life), then synchronise once."""
         for unit in self.units:
+            self.transport.reset_accumulator(unit.id)
             staging = self.transport.staging(unit.id)
             for fp, offset in zip(unit.fsdp_params, unit.offsets):
                 local = fp.sharded_param.to_local().reshape(-1)

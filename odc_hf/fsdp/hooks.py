@@ -53,10 +53,25 @@ class ODCAllGather(_Allocating):
 
 
 class ODCReduceScatter(_Allocating):
-    """Keep this rank's row (FSDP accumulates it into ``param.grad``); push the others to their owners."""
+    """Push every row, this rank's own included, into its owner's fp32 accumulator.
+
+    The accumulator *is* the gradient: ``finish_minibatch`` makes ``param.grad`` a view of it. So FSDP's own
+    sharded gradient must not take memory: ``allocate`` hands FSDP a shared, all-zero output buffer that we
+    never write. FSDP makes ``param.grad`` views of it and adds zeros into it (a no-op) until
+    ``finish_minibatch`` replaces those views. That saves the fp32 gradient shard FSDP would otherwise keep
+    next to our accumulator.
+    """
 
     def __init__(self, unit: ODCUnit):
         self.unit = unit
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for n in size:
+            numel *= int(n)
+        if numel == self.unit.spec.shard_numel:  # the reduce-scatter output
+            return self.unit.owner.zero_output(numel, dtype, device).view(*size)
+        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         unit = self.unit
@@ -73,8 +88,6 @@ class ODCReduceScatter(_Allocating):
                 "ODC needs every parameter of a unit to receive one"
                 + ("" if unit.owner.reduces_unused_params else " (torch >= 2.12 pads them with zeros for us)")
             )
-        rows = input_tensor.view(unit.world_size, unit.spec.shard_numel)
-        output_tensor.copy_(rows[unit.rank])
-        unit.transport.scatter_accumulate(unit.id, input_tensor)
+        unit.transport.scatter_accumulate(unit.id, input_tensor, include_self=True)
         unit.owner.note_push(unit)
         return None

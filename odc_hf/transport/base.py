@@ -93,11 +93,12 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def scatter_accumulate(self, unit: int, input: torch.Tensor) -> None:
-        """Add row ``p`` of ``input`` (``world_size * shard_numel``, any float dtype) into peer ``p``'s accumulator.
+    def scatter_accumulate(self, unit: int, input: torch.Tensor, *, include_self: bool = False) -> None:
+        """Add row ``p`` of ``input`` (``world_size * shard_numel``, any float dtype) into rank ``p``'s accumulator.
 
-        The caller's own row is skipped. On CUDA the work is enqueued on the current stream, so the caller
-        may reuse ``input`` after it on that stream. The owner sees the sums after the next :meth:`barrier`.
+        The caller's own row is skipped unless ``include_self``. On CUDA the work is enqueued on the current
+        stream, so the caller may reuse ``input`` after it on that stream. The owner sees the sums after the
+        next :meth:`barrier`.
         """
 
     @abc.abstractmethod
@@ -108,11 +109,21 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def take_accumulated(self, unit: int) -> torch.Tensor:
-        """Return this rank's accumulated fp32 gradient shard (a new tensor) and reset the accumulator to zero.
+    def accumulated(self, unit: int) -> torch.Tensor:
+        """This rank's accumulated fp32 shard, valid until :meth:`reset_accumulator` (on CUDA: the buffer itself).
 
-        Call it only between a barrier and the next push (i.e. after :meth:`barrier` that ends a minibatch).
+        Call it after the :meth:`barrier` that ends a minibatch and before any peer pushes again.
         """
+
+    @abc.abstractmethod
+    def reset_accumulator(self, unit: int) -> None:
+        """Zero this rank's accumulator; a :meth:`barrier` must follow before any peer pushes again."""
+
+    def take_accumulated(self, unit: int) -> torch.Tensor:
+        """A copy of :meth:`accumulated`, then :meth:`reset_accumulator`."""
+        total = self.accumulated(unit).clone()
+        self.reset_accumulator(unit)
+        return total
 
     @abc.abstractmethod
     def abort(self, reason: str) -> None:

@@ -134,10 +134,10 @@ class CudaTransport(Transport):
             peer = (self.rank + step) % self.world_size  # stagger sources so peers are not all read at once
             rows[peer].copy_(u.staging[peer], non_blocking=True)
 
-    def scatter_accumulate(self, unit: int, input: torch.Tensor) -> None:
+    def scatter_accumulate(self, unit: int, input: torch.Tensor, *, include_self: bool = False) -> None:
         u = self._units[unit]
         rows = check_rows(u.spec, self.world_size, input, "scatter-accumulate input")
-        for step in range(1, self.world_size):
+        for step in range(0 if include_self else 1, self.world_size):
             peer = (self.rank + step) % self.world_size
             atomic_accumulate(u.accumulators[peer], rows[peer])
 
@@ -145,11 +145,11 @@ class CudaTransport(Transport):
         torch.cuda.synchronize(self.device)
         return self.control.barrier(count, what=what, minibatch=self.minibatch)
 
-    def take_accumulated(self, unit: int) -> torch.Tensor:
-        accumulator = self._units[unit].accumulators[self.rank]
-        total = accumulator.clone()
-        accumulator.zero_()
-        return total
+    def accumulated(self, unit: int) -> torch.Tensor:
+        return self._units[unit].accumulators[self.rank]
+
+    def reset_accumulator(self, unit: int) -> None:
+        self._units[unit].accumulators[self.rank].zero_()
 
     def abort(self, reason: str) -> None:
         if not self._closed:

@@ -31,6 +31,7 @@ class _Unit:
             .view(world_size, numel)
             for m in mappings
         ]
+        self.total: torch.Tensor | None = None  # the owner's summed slots (private memory)
 
     @staticmethod
     def nbytes(spec: UnitSpec, world_size: int) -> int:
@@ -91,23 +92,28 @@ class ShmTransport(Transport):
             if peer != self.rank:
                 rows[peer].copy_(u.staging[peer])
 
-    def scatter_accumulate(self, unit: int, input: torch.Tensor) -> None:
+    def scatter_accumulate(self, unit: int, input: torch.Tensor, *, include_self: bool = False) -> None:
         u = self._units[unit]
         rows = check_rows(u.spec, self.world_size, input, "scatter-accumulate input")
         for peer in range(self.world_size):
-            if peer != self.rank:
+            if peer != self.rank or include_self:
                 u.slots[peer][self.rank].add_(rows[peer])
 
     def barrier(self, count: float = 0.0, *, what: str = "minibatch barrier") -> float:
         return self.control.barrier(count, what=what, minibatch=self.minibatch)
 
-    def take_accumulated(self, unit: int) -> torch.Tensor:
-        slots = self._units[unit].slots[self.rank]
-        total = slots[0].clone()
-        for sender in range(1, self.world_size):
-            total += slots[sender]
-        slots.zero_()
-        return total
+    def accumulated(self, unit: int) -> torch.Tensor:
+        u = self._units[unit]
+        slots = u.slots[self.rank]
+        if u.total is None:
+            u.total = torch.empty_like(slots[0])
+        u.total.copy_(slots[0])
+        for sender in range(1, self.world_size):  # fixed order: bit-identical on every run
+            u.total += slots[sender]
+        return u.total
+
+    def reset_accumulator(self, unit: int) -> None:
+        self._units[unit].slots[self.rank].zero_()
 
     def abort(self, reason: str) -> None:
         if not self._closed:

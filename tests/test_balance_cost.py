@@ -1,0 +1,105 @@
+"""Cost models: FLOP formula against the WORKLOADS.md table, quadratic fit, calibration on CPU."""
+
+import numpy as np
+import pytest
+import torch
+
+from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel, TokenCostModel, calibrate
+from odc_hf.workloads import qwen2_5_config
+
+
+@pytest.mark.parametrize(
+    ("size", "n_billions", "crossover_k"),
+    [("1.5B", 1.544, 35.9), ("7B", 7.070, 70.5), ("14B", 13.99, 56.9), ("32B", 31.98, 97.6)],
+)
+def test_flop_model_matches_workloads_table(size, n_billions, crossover_k):
+    model = FlopCostModel.from_config(qwen2_5_config(size))
+    digits = 3 if n_billions < 10 else 2
+    assert round(model.num_matmul_params / 1e9, digits) == n_billions
+    assert round(model.crossover_length / 1e3, 1) == crossover_k
+    assert model.attn_dim == qwen2_5_config(size).num_attention_heads * 128
+
+
+def test_attention_makes_a_64k_sample_cost_about_120_times_a_1k_sample_on_7b():
+    model = FlopCostModel.from_config(qwen2_5_config("7B"))
+    short, long = model.doc_costs([1024, 65536])
+    assert 115 < long / short < 125
+
+
+def test_microbatch_cost_is_overhead_plus_per_document_costs():
+    model = QuadraticCostModel(a=0.1, b=1e-5, c=1e-9)
+    docs = [1000, 3000]
+    expected = 0.1 + sum(1e-5 * s + 1e-9 * s * s for s in docs)
+    assert model.microbatch_cost(docs) == pytest.approx(expected)
+    assert model.microbatch_cost([]) == 0.0
+    # packing is per document: one 4000-token document costs more attention than 1000 + 3000
+    assert model.microbatch_cost([4000]) > model.microbatch_cost(docs)
+    assert TokenCostModel().microbatch_cost(docs) == 4000
+
+
+def test_quadratic_fit_recovers_noiseless_coefficients():
+    lengths = np.array([512, 2048, 8192, 16384, 32768])
+    seconds = 0.08 + 2e-6 * lengths + 1.5e-10 * lengths**2
+    fitted = QuadraticCostModel.fit(lengths, seconds)
+    assert fitted.a == pytest.approx(0.08, rel=1e-6)
+    assert fitted.b == pytest.approx(2e-6, rel=1e-6)
+    assert fitted.c == pytest.approx(1.5e-10, rel=1e-6)
+
+
+def test_quadratic_fit_keeps_coefficients_non_negative():
+    # launch-bound at short lengths: an unconstrained fit would give a negative linear term
+    lengths = [512, 2048, 4096, 8192, 16384]
+    seconds = [0.10, 0.10, 0.12, 0.24, 0.54]
+    fitted = QuadraticCostModel.fit(lengths, seconds)
+    assert min(fitted.a, fitted.b, fitted.c) >= 0
+    predicted = np.array([fitted.microbatch_cost([s]) for s in lengths])
+    assert np.allclose(predicted, seconds, atol=0.03)
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="3 distinct"):
+        QuadraticCostModel.fit([100, 100, 200], [1.0, 1.0, 2.0])
+    with pytest.raises(ValueError, match=">= 0"):
+        QuadraticCostModel(a=-1.0, b=1.0, c=0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        TokenCostModel().doc_costs([10, -1])
+    with pytest.raises(ValueError, match="num_layers"):
+        FlopCostModel(num_matmul_params=10, num_layers=0, attn_dim=4)
+
+    class NotADecoder:
+        hidden_size = 8
+
+    with pytest.raises(ValueError, match="lacks"):
+        FlopCostModel.from_config(NotADecoder())
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models are dominated by thread hand-off cost on small CPU hosts; one thread is much faster."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_calibrate_times_a_tiny_model_on_cpu(one_torch_thread):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        use_cache=False,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    fitted = calibrate(model, [16, 64, 256], repeats=1)
+    assert isinstance(fitted, QuadraticCostModel)
+    assert min(fitted.a, fitted.b, fitted.c) >= 0
+    assert fitted.microbatch_cost([256]) > 0  # CPU timings are noisy: only check the fit is usable
+    assert not model.training  # calibration restores the mode
+    assert all(p.grad is None for p in model.parameters())
+    assert "calibrated" in fitted.describe()

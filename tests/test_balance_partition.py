@@ -1,0 +1,74 @@
+"""Partitioners: complete, deterministic, and good."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from odc_hf.balance.partition import karmarkar_karp, lpt, part_sums, refine
+
+costs_strategy = st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=0, max_size=80)
+
+
+def assert_is_partition(parts, n, k):
+    assert len(parts) == k
+    flat = sorted(i for part in parts for i in part)
+    assert flat == list(range(n))
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=costs_strategy, k=st.integers(1, 12))
+def test_every_item_lands_in_exactly_one_part(costs, k):
+    for parts in (karmarkar_karp(costs, k), lpt(costs, k), refine(karmarkar_karp(costs, k), costs)):
+        assert_is_partition(parts, len(costs), k)
+
+
+@settings(max_examples=60, deadline=None)
+@given(costs=costs_strategy, k=st.integers(1, 12))
+def test_refine_never_raises_the_maximum(costs, k):
+    for start in (karmarkar_karp(costs, k), lpt(costs, k)):
+        before = part_sums(start, costs).max(initial=0)
+        after = part_sums(refine(start, costs), costs).max(initial=0)
+        assert after <= before + 1e-9 * max(before, 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(costs=costs_strategy, k=st.integers(1, 12))
+def test_partitions_are_deterministic(costs, k):
+    assert karmarkar_karp(costs, k) == karmarkar_karp(list(costs), k)
+    assert refine(lpt(costs, k), costs) == refine(lpt(costs, k), list(costs))
+
+
+def test_refinement_fixes_a_classic_differencing_miss():
+    costs = [8, 7, 6, 5, 4]  # LDM gives 16/14; the optimum is 15/15
+    assert sorted(part_sums(karmarkar_karp(costs, 2), costs)) == [14, 16]
+    assert sorted(part_sums(refine(karmarkar_karp(costs, 2), costs), costs)) == [15, 15]
+
+
+def test_ties_are_broken_by_index():
+    assert karmarkar_karp([1, 1, 1, 1], 2) == karmarkar_karp([1, 1, 1, 1], 2)
+    assert lpt([1, 1, 1, 1], 2) == [[0, 2], [1, 3]]
+
+
+def test_more_parts_than_items_leaves_parts_empty():
+    parts = karmarkar_karp([5, 3], 4)
+    assert_is_partition(parts, 2, 4)
+    assert sorted(len(p) for p in parts) == [0, 0, 1, 1]
+
+
+def test_large_minibatch_is_balanced_to_a_tiny_fraction():
+    rng = np.random.default_rng(0)
+    costs = rng.lognormal(10, 1.0, size=4096)
+    sums = part_sums(refine(karmarkar_karp(costs, 64), costs), costs)
+    assert sums.max() <= costs.sum() / 64 * (1 + 1e-4)
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="num_parts"):
+        karmarkar_karp([1.0], 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        lpt([1.0, -2.0], 2)
+    with pytest.raises(ValueError, match="more than one part"):
+        refine([[0, 1], [1]], [1.0, 2.0])
+    with pytest.raises(ValueError, match="in no part"):
+        refine([[0], []], [1.0, 2.0])

@@ -1,0 +1,139 @@
+"""ODCBatchSampler: each sample once per epoch, identical plans on every rank, resumable."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from odc_hf.balance.cost import FlopCostModel
+from odc_hf.balance.sampler import ODCBatchSampler
+from odc_hf.workloads import qwen2_5_config
+
+BUDGET = 8192
+
+
+def samplers(lengths, world_size, **kwargs):
+    return [
+        ODCBatchSampler(lengths, world_size=world_size, rank=r, max_tokens_per_microbatch=BUDGET, **kwargs)
+        for r in range(world_size)
+    ]
+
+
+@st.composite
+def setups(draw):
+    lengths = draw(st.lists(st.integers(1, BUDGET), min_size=1, max_size=50))
+    world_size = draw(st.integers(1, 6))
+    kwargs = dict(
+        minibatch_size=draw(st.integers(1, 20)),
+        mode=draw(st.sampled_from(["lb_mini", "lb_micro", "none"])),
+        seed=draw(st.integers(0, 3)),
+        shuffle=draw(st.booleans()),
+        drop_last=draw(st.booleans()),
+    )
+    return lengths, world_size, kwargs
+
+
+@settings(max_examples=80, deadline=None)
+@given(setup=setups(), epoch=st.integers(0, 2))
+def test_every_sample_once_per_epoch_and_every_microbatch_in_budget(setup, epoch):
+    lengths, world_size, kwargs = setup
+    ranks = samplers(lengths, world_size, **kwargs)
+    seen = []
+    for sampler in ranks:
+        sampler.set_epoch(epoch)
+        bundles = list(sampler)
+        assert len(bundles) == len(sampler)
+        for bundle in bundles:
+            for microbatch in bundle:
+                assert sum(lengths[i] for i in microbatch) <= BUDGET
+                seen.extend(microbatch)
+    n, size = len(lengths), kwargs["minibatch_size"]
+    expected = n if not kwargs["drop_last"] else (n // size) * size
+    assert len(seen) == len(set(seen)) == expected
+    if kwargs["drop_last"]:
+        kept = {int(i) for step in range(len(ranks[0])) for i in ranks[0].minibatch_indices(step)}
+        assert set(seen) == kept
+
+
+@settings(max_examples=30, deadline=None)
+@given(setup=setups())
+def test_every_rank_computes_the_same_plan(setup):
+    lengths, world_size, kwargs = setup
+    ranks = samplers(lengths, world_size, **kwargs)
+    for step in range(len(ranks[0])):
+        plans = [sampler.plan(step) for sampler in ranks]
+        assert all(plan == plans[0] for plan in plans)
+        for rank in range(world_size):
+            assert plans[0].for_rank(rank) == plans[rank].for_rank(rank)
+    yielded = [list(sampler) for sampler in ranks]
+    for step in range(len(ranks[0])):
+        assert [yielded[r][step] for r in range(world_size)] == ranks[0].plan(step).microbatches
+
+
+def test_epochs_reshuffle_deterministically():
+    lengths = np.arange(1, 41) * 100
+    a, b = samplers(lengths, 1, minibatch_size=8)[0], samplers(lengths, 1, minibatch_size=8)[0]
+    first = list(a)
+    a.set_epoch(1)
+    assert list(a) != first
+    b.set_epoch(1)
+    assert list(b) == list(a)
+    unshuffled = samplers(lengths, 2, minibatch_size=8, shuffle=False)[0]
+    assert unshuffled.minibatch_indices(1).tolist() == list(range(8, 16))
+
+
+def test_state_dict_resumes_mid_epoch():
+    lengths = np.arange(1, 65) * 50
+    sampler = samplers(lengths, 2, minibatch_size=8, seed=3)[1]
+    sampler.set_epoch(2)
+    full = list(sampler)
+    iterator = iter(sampler)
+    next(iterator), next(iterator), next(iterator)
+    state = sampler.state_dict()
+    assert state == {"epoch": 2, "step": 3}
+    fresh = samplers(lengths, 2, minibatch_size=8, seed=3)[1]
+    fresh.load_state_dict(state)
+    assert list(fresh) == full[3:]
+    assert list(fresh) == full  # the next pass of the same epoch starts from the top
+    with pytest.raises(ValueError, match="invalid sampler state"):
+        fresh.load_state_dict({"epoch": 0, "step": 99})
+
+
+def test_minibatch_smaller_than_world_gives_empty_bundles():
+    ranks = samplers([100, 200, 300], 4, minibatch_size=3, mode="lb_mini")
+    bundles = [list(sampler)[0] for sampler in ranks]
+    assert sorted(len(bundle) for bundle in bundles) == [0, 1, 1, 1]
+
+
+def test_flop_cost_model_balances_compute_not_samples():
+    # one 64k sample costs about as much as many short ones on a 1.5B model: LB-Mini gives its rank
+    # fewer samples
+    lengths = [65536] + [4096] * 23
+    cost = FlopCostModel.from_config(qwen2_5_config("1.5B"))
+    plan = ODCBatchSampler(
+        lengths,
+        world_size=2,
+        rank=0,
+        minibatch_size=24,
+        max_tokens_per_microbatch=65536,
+        cost_model=cost,
+        shuffle=False,
+    ).plan(0)
+    counts = sorted(sum(len(mb) for mb in mbs) for mbs in plan.microbatches)
+    assert counts[0] < 12 < counts[1]
+
+
+def test_constructor_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="dataset sample 1 has 9000 tokens"):
+        ODCBatchSampler([10, 9000], world_size=1, rank=0, minibatch_size=2, max_tokens_per_microbatch=BUDGET)
+    ODCBatchSampler(
+        [10, 9000], world_size=1, rank=0, minibatch_size=2, max_tokens_per_microbatch=BUDGET, truncate=True
+    )
+    with pytest.raises(ValueError, match="rank"):
+        ODCBatchSampler([10], world_size=2, rank=2, minibatch_size=1, max_tokens_per_microbatch=BUDGET)
+    with pytest.raises(ValueError, match="mode"):
+        ODCBatchSampler(
+            [10], world_size=1, rank=0, minibatch_size=1, max_tokens_per_microbatch=BUDGET, mode="fast"
+        )
+    with pytest.raises(ValueError, match="minibatch_size"):
+        ODCBatchSampler([10], world_size=1, rank=0, minibatch_size=0, max_tokens_per_microbatch=BUDGET)
