@@ -176,7 +176,9 @@ class ODCHandle:
             accumulated = self.transport.accumulated(unit.id)
             for fp, offset in zip(unit.fsdp_params, unit.offsets):
                 param = fp.sharded_param
-                local = torch.as_strided(accumulated, fp.sharded_size, fp.contiguous_sharded_stride, offset)
+                # Shard(0): the shard is contiguous at `offset` (relative to the accumulator, which may itself
+                # be a view with a storage offset: so no as_strided here).
+                local = accumulated.narrow(0, offset, fp.sharded_size.numel()).view(fp.sharded_size)
                 if local.dtype != param.dtype:  # parameters kept in bf16: the gradient must match
                     local = local.to(param.dtype)
                 param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,

@@ -31,7 +31,7 @@ class _Unit:
             .view(world_size, numel)
             for m in mappings
         ]
-        self.total: torch.Tensor | None = None  # the owner's summed slots (private memory)
+        self.summed = False  # whether the owner has folded its slots since the last reset
 
     @staticmethod
     def nbytes(spec: UnitSpec, world_size: int) -> int:
@@ -103,17 +103,22 @@ class ShmTransport(Transport):
         return self.control.barrier(count, what=what, minibatch=self.minibatch)
 
     def accumulated(self, unit: int) -> torch.Tensor:
+        # Fold the other senders' slots into our own one, in rank order (bit-identical on every run). Between
+        # the barrier and the reset nobody writes these slots, so doing it in place is race-free; the result
+        # is a view into the shared file, like the CUDA transport's (which catches offset mistakes in tests).
         u = self._units[unit]
         slots = u.slots[self.rank]
-        if u.total is None:
-            u.total = torch.empty_like(slots[0])
-        u.total.copy_(slots[0])
-        for sender in range(1, self.world_size):  # fixed order: bit-identical on every run
-            u.total += slots[sender]
-        return u.total
+        if not u.summed:
+            own = slots[self.rank].clone()
+            slots[self.rank].zero_()
+            for sender in range(self.world_size):
+                slots[self.rank] += own if sender == self.rank else slots[sender]
+            u.summed = True
+        return slots[self.rank]
 
     def reset_accumulator(self, unit: int) -> None:
         self._units[unit].slots[self.rank].zero_()
+        self._units[unit].summed = False
 
     def abort(self, reason: str) -> None:
         if not self._closed:
