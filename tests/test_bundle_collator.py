@@ -57,8 +57,7 @@ def test_dataloader_yields_one_bundle_per_step():
     sampler = ODCBatchSampler(lengths, world_size=2, rank=1, minibatch_size=4, max_tokens_per_microbatch=12)
     loader = torch.utils.data.DataLoader(
         BundleDataset(dataset),
-        sampler=sampler,
-        batch_size=None,
+        batch_sampler=sampler,
         collate_fn=BundleCollator(max_tokens_per_microbatch=12),
     )
     steps = list(loader)

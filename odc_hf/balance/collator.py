@@ -29,7 +29,13 @@ MASK_KEYS = ("completion_mask", "assistant_masks")
 
 
 class BundleDataset(torch.utils.data.Dataset):
-    """Map-style view whose items are bundles: ``dataset_view[bundle] -> list[list[example]]``."""
+    """Map-style view whose items are microbatches: ``dataset_view[[i, j, ...]] -> [example_i, example_j, ...]``.
+
+    Use it with the sampler as a *batch* sampler, ``DataLoader(BundleDataset(ds), batch_sampler=sampler,
+    collate_fn=BundleCollator(...))``: each "batch" the sampler yields is one bundle (a list of microbatches),
+    the DataLoader fetches ``[view[mb] for mb in bundle]`` and the collator packs it. Being a plain batch
+    sampler is what lets accelerate's ``skip_first_batches`` (Trainer resume) skip whole bundles.
+    """
 
     def __init__(self, dataset):
         self.dataset = dataset
@@ -37,8 +43,8 @@ class BundleDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, bundle: Sequence[Sequence[int]]) -> list[list[Any]]:
-        return [[self.dataset[int(i)] for i in microbatch] for microbatch in bundle]
+    def __getitem__(self, microbatch: Sequence[int]) -> list[Any]:
+        return [self.dataset[int(i)] for i in microbatch]
 
 
 def _as_list(values) -> list[int]:

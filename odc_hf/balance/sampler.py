@@ -1,8 +1,8 @@
 """``ODCBatchSampler``: one bundle of microbatches per optimizer step, planned identically on every rank.
 
-Use it as the *sampler* of a DataLoader with ``batch_size=None`` over a
-:class:`~odc_hf.balance.collator.BundleDataset`: each item it yields is this rank's bundle for one step,
-``list[list[int]]`` (microbatches of dataset indices), and the dataset turns it into examples.
+Use it as the *batch sampler* of a DataLoader over a :class:`~odc_hf.balance.collator.BundleDataset`: each
+"batch" it yields is this rank's bundle for one step, ``list[list[int]]`` (microbatches of dataset indices);
+the dataset turns each microbatch into examples and the collator packs them.
 
 Every rank builds its own sampler from the same arguments (only ``rank`` differs) and gets the same
 plans without communicating: the epoch's order comes from a generator seeded by ``(seed, epoch)`` and

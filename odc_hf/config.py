@@ -1,0 +1,92 @@
+"""ODCConfig: every odc_hf knob in one place.
+
+Set it from Python (``ODCConfig(balance="lb_mini", ...)``), or from ``ODC_*`` environment variables
+(``ODC_BALANCE=lb_micro accelerate launch ...``: the way to reach recipe scripts you do not edit). An
+accelerate YAML cannot carry extra keys (accelerate rejects unknown top-level keys and drops unknown
+``fsdp_config`` keys), so ODC options never live there. Precedence: explicit Python values, then the
+environment, then the defaults below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+BALANCE_MODES = ("lb_mini", "lb_micro", "none")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ODCConfig:
+    """Options of On-Demand Communication and its load balancing.
+
+    Attributes:
+        enabled: use ODC (one-sided gathers / scatter-accumulates, one synchronisation per minibatch). When
+            False the trainer runs plain FSDP2 collectives with the same bundle data path (for A/B runs).
+        balance: how each global minibatch is split over ranks. ``lb_mini``: equal estimated compute per rank,
+            any number of microbatches per rank (needs ODC); ``lb_micro``: every rank the same number of
+            microbatches, balanced per microbatch index (works with collectives); ``none``: plain sharding.
+        cost_model: how a sample's compute is estimated from its length: ``flop`` (6*N*s + 6*L*d*s^2 from the
+            model config), ``tokens`` (linear), or the path of a JSON file with ``{"a": .., "b": .., "c": ..}``
+            fitted by ``odc_hf.balance.calibrate``.
+        max_tokens_per_microbatch: token budget of one packed microbatch (memory bound). ``None``: the longest
+            sample of the dataset, i.e. the smallest budget that fits every sample.
+        truncate: cut samples longer than the budget instead of raising.
+        timeout_s: how long a rank waits for its peers at the minibatch barrier before raising an error that
+            names them. Generous by default: a rank may legitimately run many more microbatches.
+        shm_dir: where the CPU transport and the control block put their shared-memory files (default
+            /dev/shm, or the temp directory when /dev/shm is too small).
+        log_timeline: write ``odc_timeline.png`` (per-rank busy/idle per step) to the output directory at the
+            end of training.
+    """
+
+    enabled: bool = True
+    balance: str = "lb_mini"
+    cost_model: str = "flop"
+    max_tokens_per_microbatch: int | None = None
+    truncate: bool = False
+    timeout_s: float = 600.0
+    shm_dir: str | None = None
+    log_timeline: bool = True
+
+    def __post_init__(self) -> None:
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(f"ODCConfig.balance must be one of {BALANCE_MODES}, got {self.balance!r}")
+        if self.balance == "lb_mini" and not self.enabled:
+            raise ValueError(
+                "balance='lb_mini' gives ranks different microbatch counts, which FSDP collectives cannot run: "
+                "use balance='lb_micro' or 'none' with enabled=False"
+            )
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch must be positive, got {self.max_tokens_per_microbatch}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.cost_model not in ("flop", "tokens") and not self.cost_model.endswith(".json"):
+            raise ValueError(f"cost_model must be 'flop', 'tokens' or a calibration .json path, got {self.cost_model!r}")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> ODCConfig:
+        """Defaults, overridden by ``ODC_<FIELD>`` environment variables, overridden by ``overrides``."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = environ.get(f"ODC_{field.name.upper()}")
+            if raw is not None and raw != "":
+                values[field.name] = _parse(field, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse(field: dataclasses.Field, raw: str) -> Any:
+    kind = str(field.type)
+    if kind.startswith("bool"):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"ODC_{field.name.upper()}={raw!r} is not a boolean")
+    if kind.startswith("int"):
+        return None if raw.lower() == "none" else int(raw)
+    if kind.startswith("float"):
+        return float(raw)
+    return raw

@@ -1,0 +1,273 @@
+"""Offline default data for the main job and tests: text, a tokenizer and a tiny model, no downloads.
+
+The corpus is the Python standard library's own ``.py`` sources. They ship with every Python install, so
+a fresh machine with no network has them, and they are real text (code, docstrings, comments) with a
+naturally long-tailed length distribution (a few hundred characters for small modules, ~10k median,
+hundreds of thousands for the largest): a few long documents dominate the compute of a batch, which is
+the imbalance ODC's load balancing addresses. Uniform synthetic text would show nothing.
+
+The tokenizer is a byte-level BPE trained at run time on a fixed subset of that corpus (about a second on
+one CPU core). Training is deterministic, and the result is cached on disk keyed by a hash of the training
+text, so every rank of a job, and every run, sees the same vocabulary. The document set comes from the
+installed Python, so different Python versions give different (cached separately) tokenizers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import random
+import sysconfig
+import tempfile
+import warnings
+from pathlib import Path
+
+__all__ = [
+    "default_documents",
+    "default_tokenizer",
+    "default_text_dataset",
+    "default_tokenized_dataset",
+    "tiny_qwen2_config",
+    "tiny_qwen2_model",
+]
+
+EOS_TOKEN, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
+# Test suites, the IDLE GUI, third-party packages and the retired 2to3 tool are not "the library".
+_SKIP_DIRS = frozenset(
+    {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
+)
+# Tokenizer training text: the first documents of default_documents(seed=0), each cut to this many
+# characters (so one huge file cannot dominate the merges) until the budget is reached. 4M characters
+# train in ~1.2 s on one core and give a stable 4k-32k vocabulary.
+_TRAIN_DOC_CHARS, _TRAIN_BUDGET_CHARS = 20_000, 4_000_000
+_RECIPE = "odc_hf-bytelevel-bpe-v1"  # part of the cache key: bump when the training recipe changes
+# ChatML, with {% generation %} marks around assistant turns so TRL's assistant_only_loss works.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_sources() -> tuple[str, ...]:
+    """All usable stdlib ``.py`` files' text, in sorted relative-path order (read once per process)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
+    )
+    texts = []
+    for rel in paths:
+        try:
+            text = (root / rel).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            texts.append(text)
+    if not texts:
+        raise RuntimeError(f"no readable .py sources under the stdlib directory {root} (zipped stdlib?)")
+    return tuple(texts)
+
+
+def default_documents(max_documents: int | None = None, *, seed: int = 0) -> list[str]:
+    """The standard library's ``.py`` sources as documents, shuffled with ``random.Random(seed)``.
+
+    Why these: they need no download and have long-tailed lengths (see the module docstring). The order
+    is deterministic for a given Python install and seed: files are read in sorted relative-path order
+    and then shuffled; ``max_documents`` keeps the first ones after the shuffle.
+    """
+    docs = list(_stdlib_sources())
+    random.Random(seed).shuffle(docs)
+    return docs if max_documents is None else docs[:max_documents]
+
+
+def _training_text() -> list[str]:
+    out, total = [], 0
+    for doc in default_documents(seed=0):
+        if total >= _TRAIN_BUDGET_CHARS:
+            break
+        out.append(doc[:_TRAIN_DOC_CHARS])
+        total += len(out[-1])
+    return out
+
+
+def _train_bpe(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    # Byte-level with no prefix space and no normalizer: every string round-trips exactly.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,  # ids 0, 1, 2
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Exclusive advisory lock, so ranks started together train once; no-op where fcntl is missing."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: fall back to every process training (same result, atomic writes)
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _load_or_train(path: Path, texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer
+
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    tok = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _file_lock(path.with_suffix(".lock")):
+            if path.is_file():  # another rank trained it while we waited for the lock
+                return Tokenizer.from_file(str(path))
+            tok = _train_bpe(texts, vocab_size)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-", suffix=".json.tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(tok.to_str())
+                os.replace(tmp, path)  # atomic: readers see no file or the whole file
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)  # only still there if the write or the replace failed
+    except OSError as e:  # unwritable cache: use (or train) an in-memory tokenizer
+        warnings.warn(f"odc_hf: tokenizer cache {path.parent} unusable ({e}); not cached", stacklevel=3)
+    return tok if tok is not None else _train_bpe(texts, vocab_size)
+
+
+def default_tokenizer(vocab_size: int = 4096, *, cache_dir: str | None = None):
+    """A byte-level BPE tokenizer (``PreTrainedTokenizerFast``) trained on stdlib sources, cached on disk.
+
+    ``<|endoftext|>`` is eos and pad, ``<|im_start|>``/``<|im_end|>`` frame ChatML turns (the chat
+    template), there is no bos. The trained ``tokenizer.json`` is cached under ``cache_dir`` (default
+    ``~/.cache/odc_hf/tokenizer-<vocab_size>-<hash of the training text>/``); the first process to get
+    the file lock trains and writes it atomically, the others load it.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    texts = _training_text()
+    if cache_dir is None:
+        digest = hashlib.sha256(_RECIPE.encode())
+        for text in texts:
+            digest.update(hashlib.sha256(text.encode("utf-8")).digest())
+        name = f"tokenizer-{vocab_size}-{digest.hexdigest()[:16]}"
+        cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "odc_hf", name)
+    backend = _load_or_train(Path(cache_dir) / "tokenizer.json", texts, vocab_size)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1 << 30,  # documents are long; truncation is the trainer's max_length's job
+        clean_up_tokenization_spaces=False,  # keep decode(encode(s)) == s for code
+    )
+
+
+def default_text_dataset(
+    num_samples: int = 512, *, min_chars: int = 200, max_chars: int | None = 20000, seed: int = 0
+):
+    """``datasets.Dataset`` with one ``"text"`` column (TRL ``SFTTrainer``'s language-modeling format).
+
+    Documents shorter than ``min_chars`` are dropped, the rest cut to ``max_chars``; the list is cycled
+    when fewer than ``num_samples`` documents remain.
+    """
+    from datasets import Dataset
+
+    docs = [
+        d if max_chars is None else d[:max_chars] for d in default_documents(seed=seed) if len(d) >= min_chars
+    ]
+    if not docs:
+        raise ValueError(f"no stdlib document has at least min_chars={min_chars} characters")
+    return Dataset.from_dict({"text": [docs[i % len(docs)] for i in range(num_samples)]})
+
+
+def default_tokenized_dataset(tokenizer, num_samples: int = 512, *, max_length: int = 1024, seed: int = 0):
+    """``datasets.Dataset`` with an ``"input_ids"`` column for the plain transformers ``Trainer``.
+
+    The same documents as ``default_text_dataset(num_samples, seed=seed)`` but uncut, tokenized with eos
+    appended and then truncated to ``max_length`` tokens (as TRL does: a truncated document loses its eos).
+    """
+    from datasets import Dataset
+
+    texts = default_text_dataset(num_samples, max_chars=None, seed=seed)["text"]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    return Dataset.from_dict({"input_ids": [(list(x) + [eos])[:max_length] for x in ids]})
+
+
+def tiny_qwen2_config(
+    vocab_size: int,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    intermediate_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 32768,
+    **kwargs,
+):
+    """A ``Qwen2Config`` for a tiny model (~0.3M parameters at vocab 4096): real architecture, GQA, tied
+    embeddings, cheap enough for CPU tests; RoPE allocates nothing per position, so the long context is free.
+    """
+    from transformers import Qwen2Config
+
+    kwargs = {"tie_word_embeddings": True, "use_cache": False, **kwargs}
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        **kwargs,
+    )
+
+
+def tiny_qwen2_model(tokenizer, seed: int = 0, **config_kwargs):
+    """Randomly initialised ``Qwen2ForCausalLM`` sized to ``tokenizer`` (pad/eos ids in the config).
+
+    Initialisation is seeded on a forked CPU RNG, so the weights depend on ``seed`` only and the caller's
+    global RNG state is left untouched.
+    """
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    config_kwargs = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        **config_kwargs,
+    }
+    config = tiny_qwen2_config(len(tokenizer), **config_kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config)
