@@ -1,7 +1,157 @@
-"""The main job: a small ODC SFT run on an embedded default. Lands with the Trainer-integration issue."""
+"""SFT with ODC + LB-Mini through TRL's SFTTrainer: the main job.
 
+    python examples/sft.py                  # 2 processes: GPUs if there are 2+, else CPU; tiny offline default
+    accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py --model_shape 1.5b \
+        --workload longalign --max_tokens_per_microbatch 32768 --bf16 --gradient_checkpointing
+    accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py \
+        --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara     # where a hub is reachable
+
+Defaults need no network: a tiny Qwen2-architecture model built from a config, a byte-level BPE trained on the
+Python standard library's sources, and those sources as documents (a naturally long-tailed length mix).
+``--workload longalign|swe_smith|tulu`` instead draws synthetic sample lengths from odc_hf.workloads (random
+tokens: throughput needs no real text). Prints a summary (loss, tokens/s, bubble rate) at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_name_or_path", default=None, help="hub model (default: tiny model from a config)")
+    p.add_argument("--model_shape", choices=["tiny", "0.5b", "1.5b", "7b"], default="tiny",
+                   help="random-init Qwen2/2.5 shape when no --model_name_or_path")  # fmt: skip
+    p.add_argument("--dataset_name", default=None, help="hub dataset with a 'text' or 'messages' column")
+    p.add_argument("--workload", choices=["stdlib", "longalign", "swe_smith", "tulu"], default="stdlib")
+    p.add_argument("--num_samples", type=int, default=256)
+    p.add_argument("--max_length", type=int, default=1024, help="samples are cut to this many tokens")
+    p.add_argument("--max_steps", type=int, default=10)
+    p.add_argument("--per_device_train_batch_size", type=int, default=4)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--learning_rate", type=float, default=1e-3)
+    p.add_argument("--output_dir", default="output/sft")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logging_steps", type=int, default=1)
+    p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: never)")
+    p.add_argument("--resume_from_checkpoint", default=None)
+    p.add_argument("--report_to", default="none")
+    # ODC options (also settable as ODC_* environment variables)
+    p.add_argument("--odc", choices=["on", "off"], default=None, help="off: FSDP2 collectives (A/B baseline)")
+    p.add_argument("--balance", choices=["lb_mini", "lb_micro", "none"], default=None)
+    p.add_argument("--cost_model", default=None, help="flop | tokens | calibration.json")
+    p.add_argument("--max_tokens_per_microbatch", type=int, default=None)
+    p.add_argument("--losses_json", default=None, help="write per-step losses and microbatch counts here")
+    return p.parse_args(argv)
+
+
+def relaunch_if_needed(argv: list[str]) -> None:
+    """``python examples/sft.py`` on a fresh machine: start 2 processes with the right accelerate config."""
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ or os.environ.get("ODC_NO_RELAUNCH"):
+        return
+    import torch
+
+    config = "odc.yaml" if torch.cuda.device_count() >= 2 else "cpu.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / config), "--num_processes", "2", __file__, *argv]  # fmt: skip
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "ODC_NO_RELAUNCH": "1"}  # fmt: skip
+    if config == "cpu.yaml":
+        env["ACCELERATE_USE_CPU"] = "true"  # see accelerate_configs/cpu.yaml
+    print(f"odc_hf: launching 2 processes with accelerate_configs/{config}", flush=True)
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+def build_model(args, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
+
+    from odc_hf.data import tiny_qwen2_model
+    from odc_hf.workloads import qwen2_5_config
+
+    if args.model_name_or_path:
+        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    if args.model_shape == "tiny":
+        return tiny_qwen2_model(tokenizer, seed=args.seed)
+    config = qwen2_5_config(args.model_shape)
+    config.tie_word_embeddings = args.model_shape in ("0.5b", "1.5b")
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(args.seed)
+    return Qwen2ForCausalLM(config)
+
+
+def build_dataset(args, tokenizer, vocab_size: int):
+    from datasets import Dataset, load_dataset
+
+    from odc_hf.data import default_text_dataset
+    from odc_hf.workloads import generate_lengths
+
+    if args.dataset_name:
+        return load_dataset(args.dataset_name, split="train").select(range(args.num_samples))
+    if args.workload == "stdlib":
+        return default_text_dataset(args.num_samples, seed=args.seed)
+    import numpy as np
+
+    lengths = generate_lengths(args.workload, args.num_samples, args.seed, max_length=args.max_length)
+    rng = np.random.default_rng(args.seed)
+    ids = [rng.integers(10, vocab_size, int(n)).tolist() for n in lengths]
+    return Dataset.from_dict({"input_ids": ids})
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from trl import SFTConfig
+
+    from odc_hf import ODCConfig, ODCSFTTrainer
+    from odc_hf.data import default_tokenizer
+
+    tokenizer = default_tokenizer() if not args.model_name_or_path else None
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    model = build_model(args, tokenizer)
+    dataset = build_dataset(args, tokenizer, model.config.vocab_size)
+    odc_config = ODCConfig.from_env(
+        enabled=None if args.odc is None else args.odc == "on",
+        balance=args.balance, cost_model=args.cost_model, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+    )  # fmt: skip
+    sft_args = SFTConfig(
+        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=args.seed,
+        logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500, report_to=args.report_to, bf16=args.bf16, max_length=args.max_length,
+        packing=False, gradient_checkpointing=args.gradient_checkpointing, dataloader_drop_last=True,
+        disable_tqdm=False, use_liger_kernel=False, dataset_num_proc=None,
+    )  # fmt: skip
+    trainer = ODCSFTTrainer(model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer,
+                            odc_config=odc_config)  # fmt: skip
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    if trainer.accelerator.is_main_process:
+        history = [h for h in trainer.state.log_history if "loss" in h]
+        summary = getattr(trainer, "odc_summary", {})
+        if args.losses_json:
+            steps = [{"microbatches": s.microbatches, "busy_s": s.busy_s, "wait_s": s.wait_s} for s in trainer.odc_stats.steps]
+            Path(args.losses_json).write_text(json.dumps({"history": history, "summary": summary, "steps": steps}, indent=1))
+        mode = "ODC" if trainer.odc is not None else "FSDP2 collectives"
+        print(f"\nodc_hf summary ({mode}, {odc_config.balance}, {trainer.accelerator.num_processes} processes, "
+              f"{trainer.state.global_step} steps): final loss {history[-1]['loss']:.4f}, "
+              f"tokens/s {summary.get('odc/tokens_per_s', 0):.0f}, bubble rate {summary.get('odc/bubble_rate', 0):.1%}, "
+              f"microbatches per rank {summary.get('odc/microbatches_min', 0):.0f}-{summary.get('odc/microbatches_max', 0):.0f}; "
+              f"timeline: {Path(args.output_dir) / 'odc_timeline.png'}", flush=True)  # fmt: skip
+
 
 if __name__ == "__main__":
-    print("odc_hf: the SFT main job is not available yet (it lands with the Trainer-integration issue).")
-    sys.exit(0)
+    relaunch_if_needed(sys.argv[1:])
+    main()

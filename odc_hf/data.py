@@ -6,8 +6,8 @@ naturally long-tailed length distribution (a few hundred characters for small mo
 hundreds of thousands for the largest): a few long documents dominate the compute of a batch, which is
 the imbalance ODC's load balancing addresses. Uniform synthetic text would show nothing.
 
-The tokenizer is a byte-level BPE trained at run time on a fixed subset of that corpus (about a second on
-one CPU core). Training is deterministic, and the result is cached on disk keyed by a hash of the training
+The tokenizer is a byte-level BPE trained at run time on a fixed subset of that corpus (1-2 s on one
+CPU core). Training is deterministic, and the result is cached on disk keyed by a hash of the training
 text, so every rank of a job, and every run, sees the same vocabulary. The document set comes from the
 installed Python, so different Python versions give different (cached separately) tokenizers.
 """
@@ -19,10 +19,20 @@ import functools
 import hashlib
 import os
 import random
+import re
 import sysconfig
-import tempfile
 import warnings
 from pathlib import Path
+
+import datasets
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 __all__ = [
     "default_documents",
@@ -36,24 +46,17 @@ __all__ = [
 EOS_TOKEN, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
 # Test suites, the IDLE GUI, third-party packages and the retired 2to3 tool are not "the library".
-_SKIP_DIRS = frozenset(
-    {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
-)
+_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
 # Tokenizer training text: the first documents of default_documents(seed=0), each cut to this many
-# characters (so one huge file cannot dominate the merges) until the budget is reached. 4M characters
-# train in ~1.2 s on one core and give a stable 4k-32k vocabulary.
+# characters (so one huge file cannot dominate the merges) until the budget is reached (~390 files).
 _TRAIN_DOC_CHARS, _TRAIN_BUDGET_CHARS = 20_000, 4_000_000
+_LINE_END = re.compile(r"(?<=[^\W_])\n")  # a newline after a letter or digit
 _RECIPE = "odc_hf-bytelevel-bpe-v1"  # part of the cache key: bump when the training recipe changes
 # ChatML, with {% generation %} marks around assistant turns so TRL's assistant_only_loss works.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
-    "{{ '\\n' }}"
-    "{% else %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -61,16 +64,16 @@ CHAT_TEMPLATE = (
 @functools.lru_cache(maxsize=1)
 def _stdlib_sources() -> tuple[str, ...]:
     """All usable stdlib ``.py`` files' text, in sorted relative-path order (read once per process)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = sorted(
-        p.relative_to(root).as_posix()
-        for p in root.rglob("*.py")
-        if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])
-    )
+    root = sysconfig.get_paths()["stdlib"]
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]  # prune: never walk site-packages
+        paths += [os.path.relpath(os.path.join(dirpath, f), root) for f in filenames if f.endswith(".py")]
     texts = []
-    for rel in paths:
+    for rel in sorted(p.replace(os.sep, "/") for p in paths):
         try:
-            text = (root / rel).read_text(encoding="utf-8")
+            with open(os.path.join(root, rel), encoding="utf-8") as f:
+                text = f.read()
         except (UnicodeDecodeError, OSError):
             continue
         if text.strip():
@@ -103,8 +106,6 @@ def _training_text() -> list[str]:
 
 
 def _train_bpe(texts: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     # Byte-level with no prefix space and no normalizer: every string round-trips exactly.
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -121,23 +122,14 @@ def _train_bpe(texts: list[str], vocab_size: int):
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
-    """Exclusive advisory lock, so ranks started together train once; no-op where fcntl is missing."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: fall back to every process training (same result, atomic writes)
-        yield
-        return
+    """Exclusive advisory lock, so ranks started together train once (without fcntl: all train, same result)."""
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when f is closed
+        yield
 
 
 def _load_or_train(path: Path, texts: list[str], vocab_size: int):
-    from tokenizers import Tokenizer
-
     if path.is_file():
         return Tokenizer.from_file(str(path))
     tok = None
@@ -147,38 +139,36 @@ def _load_or_train(path: Path, texts: list[str], vocab_size: int):
             if path.is_file():  # another rank trained it while we waited for the lock
                 return Tokenizer.from_file(str(path))
             tok = _train_bpe(texts, vocab_size)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-", suffix=".json.tmp")
+            tmp = path.with_name(f".tokenizer.{os.getpid()}.tmp")  # per process: unique even without fcntl
             try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(tok.to_str())
+                tmp.write_text(tok.to_str(), encoding="utf-8")
                 os.replace(tmp, path)  # atomic: readers see no file or the whole file
             finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)  # only still there if the write or the replace failed
+                tmp.unlink(missing_ok=True)
     except OSError as e:  # unwritable cache: use (or train) an in-memory tokenizer
         warnings.warn(f"odc_hf: tokenizer cache {path.parent} unusable ({e}); not cached", stacklevel=3)
     return tok if tok is not None else _train_bpe(texts, vocab_size)
 
 
-def default_tokenizer(vocab_size: int = 4096, *, cache_dir: str | None = None):
-    """A byte-level BPE tokenizer (``PreTrainedTokenizerFast``) trained on stdlib sources, cached on disk.
+def default_tokenizer(
+    vocab_size: int = 4096, *, cache_dir: str | None = None
+) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on stdlib sources (a second or two), cached on disk.
 
     ``<|endoftext|>`` is eos and pad, ``<|im_start|>``/``<|im_end|>`` frame ChatML turns (the chat
-    template), there is no bos. The trained ``tokenizer.json`` is cached under ``cache_dir`` (default
-    ``~/.cache/odc_hf/tokenizer-<vocab_size>-<hash of the training text>/``); the first process to get
-    the file lock trains and writes it atomically, the others load it.
+    template), there is no bos. The trained JSON lives in ``<cache_dir>/tokenizer-<vocab_size>-<hash of
+    the training text>/tokenizer.json`` (``cache_dir`` defaults to ``~/.cache/odc_hf``), so one cache dir
+    serves any vocab size and Python version. The first process to take the file lock trains and writes
+    it atomically; ranks started at the same time wait and load it.
     """
-    from transformers import PreTrainedTokenizerFast
-
     texts = _training_text()
-    if cache_dir is None:
-        digest = hashlib.sha256(_RECIPE.encode())
-        for text in texts:
-            digest.update(hashlib.sha256(text.encode("utf-8")).digest())
-        name = f"tokenizer-{vocab_size}-{digest.hexdigest()[:16]}"
-        cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "odc_hf", name)
-    backend = _load_or_train(Path(cache_dir) / "tokenizer.json", texts, vocab_size)
-    return PreTrainedTokenizerFast(
+    digest = hashlib.sha256(_RECIPE.encode())
+    for text in texts:
+        digest.update(hashlib.sha256(text.encode("utf-8")).digest())
+    root = cache_dir if cache_dir is not None else os.path.join(os.path.expanduser("~"), ".cache", "odc_hf")
+    path = Path(root) / f"tokenizer-{vocab_size}-{digest.hexdigest()[:16]}" / "tokenizer.json"
+    backend = _load_or_train(path, texts, vocab_size)
+    return transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
@@ -193,34 +183,48 @@ def default_tokenizer(vocab_size: int = 4096, *, cache_dir: str | None = None):
 
 def default_text_dataset(
     num_samples: int = 512, *, min_chars: int = 200, max_chars: int | None = 20000, seed: int = 0
-):
+) -> datasets.Dataset:
     """``datasets.Dataset`` with one ``"text"`` column (TRL ``SFTTrainer``'s language-modeling format).
 
     Documents shorter than ``min_chars`` are dropped, the rest cut to ``max_chars``; the list is cycled
     when fewer than ``num_samples`` documents remain.
     """
-    from datasets import Dataset
+    return datasets.Dataset.from_dict({"text": _samples(num_samples, min_chars, max_chars, seed)})
 
-    docs = [
-        d if max_chars is None else d[:max_chars] for d in default_documents(seed=seed) if len(d) >= min_chars
-    ]
+
+def _samples(num_samples: int, min_chars: int, max_chars: int | None, seed: int) -> list[str]:
+    docs = [d[:max_chars] for d in default_documents(seed=seed) if len(d) >= min_chars]
     if not docs:
         raise ValueError(f"no stdlib document has at least min_chars={min_chars} characters")
-    return Dataset.from_dict({"text": [docs[i % len(docs)] for i in range(num_samples)]})
+    return [docs[i % len(docs)] for i in range(num_samples)]
 
 
-def default_tokenized_dataset(tokenizer, num_samples: int = 512, *, max_length: int = 1024, seed: int = 0):
+def default_tokenized_dataset(
+    tokenizer, num_samples: int = 512, *, max_length: int = 1024, seed: int = 0
+) -> datasets.Dataset:
     """``datasets.Dataset`` with an ``"input_ids"`` column for the plain transformers ``Trainer``.
 
     The same documents as ``default_text_dataset(num_samples, seed=seed)`` but uncut, tokenized with eos
     appended and then truncated to ``max_length`` tokens (as TRL does: a truncated document loses its eos).
+    Long documents are first cut at a line end past ``6 * max_length`` characters (stdlib text has at
+    most ~4.6 characters a token), which tokenizes 4x less text at max_length 1024; byte-level
+    pre-tokenizers (``default_tokenizer``, GPT-2/Qwen/Llama-3 style) never merge across that boundary, so
+    the ids are those of the whole document.
     """
-    from datasets import Dataset
+    texts = _samples(num_samples, 200, None, seed)
+    heads = [_head(text, 6 * max_length) for text in texts]
+    ids = tokenizer(heads, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    for i, (head, text) in enumerate(zip(heads, texts)):
+        if len(ids[i]) < max_length and len(head) < len(text):  # > 6 characters a token: rare
+            ids[i] = tokenizer(text, add_special_tokens=False)["input_ids"]
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return datasets.Dataset.from_dict({"input_ids": [(list(x) + eos)[:max_length] for x in ids]})
 
-    texts = default_text_dataset(num_samples, max_chars=None, seed=seed)["text"]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    eos = tokenizer.eos_token_id
-    return Dataset.from_dict({"input_ids": [(list(x) + [eos])[:max_length] for x in ids]})
+
+def _head(text: str, min_chars: int) -> str:
+    """``text`` cut before the first newline at or after ``min_chars`` that ends a line on a letter or digit."""
+    match = _LINE_END.search(text, min_chars)
+    return text if match is None else text[: match.start()]
 
 
 def tiny_qwen2_config(
@@ -233,14 +237,12 @@ def tiny_qwen2_config(
     num_kv_heads: int = 2,
     max_position_embeddings: int = 32768,
     **kwargs,
-):
+) -> transformers.Qwen2Config:
     """A ``Qwen2Config`` for a tiny model (~0.3M parameters at vocab 4096): real architecture, GQA, tied
     embeddings, cheap enough for CPU tests; RoPE allocates nothing per position, so the long context is free.
     """
-    from transformers import Qwen2Config
-
     kwargs = {"tie_word_embeddings": True, "use_cache": False, **kwargs}
-    return Qwen2Config(
+    return transformers.Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -252,22 +254,14 @@ def tiny_qwen2_config(
     )
 
 
-def tiny_qwen2_model(tokenizer, seed: int = 0, **config_kwargs):
+def tiny_qwen2_model(tokenizer, seed: int = 0, **config_kwargs) -> transformers.Qwen2ForCausalLM:
     """Randomly initialised ``Qwen2ForCausalLM`` sized to ``tokenizer`` (pad/eos ids in the config).
 
     Initialisation is seeded on a forked CPU RNG, so the weights depend on ``seed`` only and the caller's
     global RNG state is left untouched.
     """
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    config_kwargs = {
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        **config_kwargs,
-    }
-    config = tiny_qwen2_config(len(tokenizer), **config_kwargs)
+    ids = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id") for name in ("pad", "eos", "bos")}
+    config = tiny_qwen2_config(len(tokenizer), **{**ids, **config_kwargs})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return Qwen2ForCausalLM(config)
+        return transformers.Qwen2ForCausalLM(config)

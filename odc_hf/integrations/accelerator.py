@@ -75,7 +75,7 @@ class ODCAccelerator(Accelerator):
     def prepare(self, *args, device_placement=None):
         models = [a for a in args if isinstance(a, torch.nn.Module)]
         config: ODCConfig = self.odc_config
-        if not models or not config.enabled or self.num_processes < 2:
+        if not models or self.num_processes < 2:
             return super().prepare(*args, device_placement=device_placement)
         if len(models) > 1:
             raise ValueError("ODCAccelerator.prepare takes one model at a time")
@@ -92,6 +92,14 @@ class ODCAccelerator(Accelerator):
         prepared = super().prepare(*args, device_placement=device_placement)
         result = prepared if isinstance(prepared, tuple) else (prepared,)
         prepared_model = next(r for r in result if isinstance(r, torch.nn.Module))
+        if not config.enabled:
+            # The collective baseline: plain FSDP2, but with ODC's SUM semantics (the loss carries the global
+            # normaliser), so that both modes train identically.
+            for module in prepared_model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)
+            return prepared
         if self.odc is not None:
             raise ValueError("ODCAccelerator already prepared a model with ODC")
         self.odc = install_odc(prepared_model, timeout_s=config.timeout_s, shm_dir=config.shm_dir)

@@ -1,0 +1,1 @@
+"""Hugging Face integration: Accelerate (ODCAccelerator), transformers Trainer (ODCTrainer), TRL (ODCSFTTrainer)."""

@@ -1,0 +1,105 @@
+"""Per-step, per-rank timings of an ODC run: what the logs report and the end-of-run timeline shows.
+
+Each rank measures, per optimizer step, its *busy* time (forward/backward of its microbatches, until its
+device is idle) and its *wait* time (inside the minibatch barrier, i.e. idle because a peer is still busy).
+The numbers of all ranks are gathered once per step. Bubble rate = 1 - mean(busy) / step time, with step
+time = max over ranks of busy + wait (WORKLOADS.md's definition).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+
+@dataclasses.dataclass
+class StepStats:
+    busy_s: list[float]
+    wait_s: list[float]
+    microbatches: list[int]
+    tokens: list[int]
+
+    @property
+    def step_s(self) -> float:
+        return max(b + w for b, w in zip(self.busy_s, self.wait_s))
+
+    @property
+    def bubble(self) -> float:
+        step = self.step_s
+        return 1.0 - (sum(self.busy_s) / len(self.busy_s)) / step if step > 0 else 0.0
+
+    @classmethod
+    def from_gathered(cls, rows: torch.Tensor) -> StepStats:
+        rows = rows.reshape(-1, 4).double().cpu()
+        return cls(rows[:, 0].tolist(), rows[:, 1].tolist(), [int(x) for x in rows[:, 2]], [int(x) for x in rows[:, 3]])
+
+
+class RunStats:
+    """Collects StepStats; summarises them for logging windows and for the end of the run."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepStats] = []
+        self._window_start = 0
+
+    def add(self, step: StepStats) -> None:
+        self.steps.append(step)
+
+    def window(self) -> dict[str, float]:
+        """Averages over the steps since the last call (one Trainer logging interval)."""
+        steps = self.steps[self._window_start :]
+        self._window_start = len(self.steps)
+        return summarise(steps)
+
+    def total(self) -> dict[str, float]:
+        return summarise(self.steps)
+
+
+def summarise(steps: list[StepStats]) -> dict[str, float]:
+    if not steps:
+        return {}
+    step_time = sum(s.step_s for s in steps)
+    tokens = sum(sum(s.tokens) for s in steps)
+    world = len(steps[0].busy_s)
+    return {
+        "odc/bubble_rate": sum(s.bubble * s.step_s for s in steps) / step_time if step_time else 0.0,
+        "odc/tokens_per_s": tokens / step_time if step_time else 0.0,
+        "odc/tokens_per_s_per_rank": tokens / step_time / world if step_time else 0.0,
+        "odc/step_s": step_time / len(steps),
+        "odc/busy_s_mean": sum(sum(s.busy_s) / world for s in steps) / len(steps),
+        "odc/busy_s_max": sum(max(s.busy_s) for s in steps) / len(steps),
+        "odc/wait_s_mean": sum(sum(s.wait_s) / world for s in steps) / len(steps),
+        "odc/microbatches_min": min(min(s.microbatches) for s in steps),
+        "odc/microbatches_max": max(max(s.microbatches) for s in steps),
+    }
+
+
+def plot_timeline(steps: list[StepStats], path: str | Path, *, title: str = "ODC per-rank timeline") -> Path:
+    """Per-rank busy (compute) and idle (waiting for peers) bars, step after step; returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    world = len(steps[0].busy_s) if steps else 1
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.5 * world))
+    start = 0.0
+    for step in steps:
+        for rank in range(world):
+            busy, wait = step.busy_s[rank], step.step_s - step.busy_s[rank]
+            ax.barh(rank, busy, left=start, color="tab:green", height=0.6)
+            ax.barh(rank, wait, left=start + busy, color="lightgray", height=0.6)
+        ax.axvline(start, color="black", lw=0.3)
+        start += step.step_s
+    ax.set_yticks(range(world), [f"rank {r}" for r in range(world)])
+    ax.set_xlabel("seconds (green: forward/backward, grey: waiting at the minibatch barrier)")
+    bubble = summarise(steps).get("odc/bubble_rate", 0.0)
+    ax.set_title(f"{title}: {len(steps)} steps, bubble rate {bubble:.1%}")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,260 @@
+"""ODC in the transformers Trainer: one bundle of microbatches per rank per optimizer step.
+
+The Trainer ties microbatches per step to ``gradient_accumulation_steps``; ODC needs each rank to run its own
+number. So (DESIGN.md §5): the Trainer runs with gradient accumulation 1, and each "batch" it sees is a
+:class:`Bundle`, this rank's list of packed microbatches for one optimizer step, planned by
+:class:`~odc_hf.balance.ODCBatchSampler`; ``training_step`` loops over it. Everything the Trainer does once
+per step (token counting, clipping, optimizer step, logging, saving) stays matched across ranks. The user's
+``per_device_train_batch_size x gradient_accumulation_steps x world size`` is the global minibatch.
+
+Losses are normalised by the GLOBAL number of label tokens of the minibatch (one all-reduce per step),
+so ranks running different numbers of microbatches do not reweight samples.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from accelerate.utils import send_to_device
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback
+
+from odc_hf.balance import BundleCollator, BundleDataset, FlopCostModel, ODCBatchSampler, QuadraticCostModel
+from odc_hf.balance import TokenCostModel
+from odc_hf.config import ODCConfig
+from odc_hf.integrations.accelerator import adopt, odc_active
+from odc_hf.integrations.stats import RunStats, StepStats, plot_timeline
+
+logger = logging.getLogger(__name__)
+
+
+class Bundle(Mapping):
+    """This rank's microbatches for one optimizer step.
+
+    As a Mapping it shows each key concatenated over the microbatches, which is what the Trainer's once-per-step
+    helpers read (token counting, FLOP estimate); ``training_step`` iterates ``microbatches``.
+    """
+
+    def __init__(self, microbatches: list[dict]):
+        self.microbatches = microbatches
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        parts = [mb[key] for mb in self.microbatches if isinstance(mb.get(key), torch.Tensor)]
+        if not parts:
+            if key == "input_ids":
+                return torch.zeros((1, 0), dtype=torch.long)
+            raise KeyError(key)
+        return torch.cat(parts, dim=-1)
+
+    def __iter__(self):
+        keys = self.microbatches[0].keys() if self.microbatches else ("input_ids",)
+        return iter([k for k in keys if k == "input_ids" or isinstance(self.microbatches[0].get(k), torch.Tensor)])
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+    @property
+    def label_tokens(self) -> int:
+        return sum(int(mb["num_label_tokens"]) for mb in self.microbatches)
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(int(mb["input_ids"].numel()) for mb in self.microbatches)
+
+
+class _BundleCollator(BundleCollator):
+    def __call__(self, bundle):
+        return Bundle(super().__call__(bundle))
+
+
+class BundleLoader(DataLoader):
+    """DataLoader over bundles; ``set_epoch`` reaches the sampler (the Trainer calls it each epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+class _LocalGathers:
+    """Stands in for the Accelerator inside the bundle loop: metric gathers stay local.
+
+    Libraries (TRL's ``compute_loss``) gather metrics once per microbatch; with uneven microbatch counts those
+    collectives would pair up different microbatches or deadlock. Inside the loop they return the local value;
+    the trainer aggregates once per step instead. Everything else goes to the real Accelerator.
+    """
+
+    def __init__(self, accelerator):
+        self._accelerator = accelerator
+
+    def gather_for_metrics(self, tensor, use_gather_object=False):
+        return tensor.reshape(1) if isinstance(tensor, torch.Tensor) and tensor.dim() == 0 else tensor
+
+    gather = gather_for_metrics
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
+class _ODCCallback(TrainerCallback):
+    def __init__(self, trainer: ODCMixin):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        odc = self.trainer.odc
+        if odc is not None:
+            odc.publish()  # a checkpoint may have been loaded after prepare(): peers must read those shards
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.odc_finish_run()
+
+
+class ODCMixin:
+    """Mix into a ``transformers.Trainer`` subclass: ``make_odc_trainer(SFTTrainer)`` or ``ODCTrainer``."""
+
+    def __init__(self, *args, odc_config: ODCConfig | None = None, **kwargs):
+        self.odc_config = odc_config if odc_config is not None else ODCConfig.from_env()
+        self.odc_stats = RunStats()
+        super().__init__(*args, **kwargs)
+        self.add_callback(_ODCCallback(self))
+
+    # -- setup -------------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self):
+        args = self.args
+        self.odc_minibatch_per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        if args.gradient_accumulation_steps != 1:
+            logger.info(
+                "odc_hf: gradient_accumulation_steps=%d becomes part of the minibatch (%d samples per rank per step); "
+                "the Trainer itself runs with 1", args.gradient_accumulation_steps, self.odc_minibatch_per_rank,
+            )  # fmt: skip
+        args.gradient_accumulation_steps = 1
+        # Gradients are SUMS over ranks under ODC; the loss is already divided by the global token count.
+        args.average_tokens_across_devices = False
+        super().create_accelerator_and_postprocess()
+        adopt(self.accelerator, self.odc_config)
+
+    @property
+    def odc(self):
+        return getattr(self.accelerator, "odc", None)
+
+    def _odc_cost_model(self):
+        choice = self.odc_config.cost_model
+        if choice == "flop":
+            config = self.accelerator.unwrap_model(self.model).config
+            return FlopCostModel.from_config(config)
+        if choice == "tokens":
+            return TokenCostModel()
+        return QuadraticCostModel(**json.loads(Path(choice).read_text()))
+
+    def get_train_dataloader(self) -> DataLoader:
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset")
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ValueError(
+                "odc_hf plans each minibatch from sample lengths, so it needs a map-style dataset; got an iterable "
+                "one (streaming, or accelerate's dispatch_batches): load it without streaming"
+            )
+        if "input_ids" not in getattr(dataset, "column_names", ["input_ids"]):
+            raise ValueError("odc_hf needs a tokenized dataset with an 'input_ids' column")
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+        budget = self.odc_config.max_tokens_per_microbatch or max(lengths)
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        sampler = ODCBatchSampler(
+            lengths, world_size=world, rank=rank, minibatch_size=self.odc_minibatch_per_rank * world,
+            max_tokens_per_microbatch=budget, mode=self.odc_config.balance, cost_model=self._odc_cost_model(),
+            seed=self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last,
+            truncate=self.odc_config.truncate,
+        )  # fmt: skip
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        collator = _BundleCollator(max_tokens_per_microbatch=budget, truncate=self.odc_config.truncate,
+                                   pad_token_id=pad if pad is not None else 0)  # fmt: skip
+        self.odc_sampler = sampler
+        return BundleLoader(BundleDataset(dataset), batch_sampler=sampler, collate_fn=collator,
+                            num_workers=self.args.dataloader_num_workers,
+                            pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available())  # fmt: skip
+
+    # -- one optimizer step ------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        try:
+            bundle = next(epoch_iterator)
+        except StopIteration:
+            return [], None
+        local = torch.tensor(float(bundle.label_tokens), device=self.accelerator.device)
+        total = self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
+        return [bundle], total.clamp(min=1)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not isinstance(inputs, Bundle):
+            raise TypeError("ODC trainers train on bundles from get_train_dataloader(); got a plain batch")
+        model.train()
+        device = self.accelerator.device
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        snapshot = self.odc_before_bundle()
+        real_accelerator = self.accelerator
+        self.accelerator = _LocalGathers(real_accelerator)
+        try:
+            for microbatch in inputs.microbatches:
+                batch = send_to_device({k: v for k, v in microbatch.items() if k != "num_label_tokens"}, device)
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
+                real_accelerator.backward(loss)
+                loss_sum += loss.detach()
+        finally:
+            self.accelerator = real_accelerator
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        busy = time.perf_counter() - start
+        if self.odc is not None:
+            self.odc.finish_minibatch(inputs.label_tokens)
+        wait = time.perf_counter() - start - busy
+        self._odc_record(busy, wait, inputs)
+        self.odc_after_bundle(snapshot)
+        # Trainer logs the mean over ranks of what we return: scale so that it is the global loss.
+        return loss_sum * self.accelerator.num_processes
+
+    def _odc_record(self, busy: float, wait: float, bundle: Bundle) -> None:
+        row = torch.tensor([busy, wait, len(bundle.microbatches), bundle.input_tokens], dtype=torch.float64,
+                           device=self.accelerator.device)  # fmt: skip
+        rows = self.accelerator.gather(row) if self.accelerator.num_processes > 1 else row
+        self.odc_stats.add(StepStats.from_gathered(rows))
+
+    def odc_before_bundle(self):
+        """Hook: state to aggregate per-microbatch metrics once per step (see ODCSFTTrainer)."""
+        return None
+
+    def odc_after_bundle(self, snapshot) -> None:
+        """Hook: aggregate what ``odc_before_bundle`` snapshotted; runs once per step on every rank."""
+
+    def floating_point_ops(self, inputs) -> int:
+        if isinstance(inputs, Bundle):
+            return sum(super(ODCMixin, self).floating_point_ops(mb) for mb in inputs.microbatches)
+        return super().floating_point_ops(inputs)
+
+    # -- observability -----------------------------------------------------------------------------
+    def log(self, logs, *args, **kwargs):
+        if "loss" in logs:
+            logs = {**logs, **{k: round(v, 4) for k, v in self.odc_stats.window().items()}}
+        return super().log(logs, *args, **kwargs)
+
+    def odc_finish_run(self) -> None:
+        summary = self.odc_stats.total()
+        if not summary or not self.accelerator.is_main_process:
+            return
+        self.odc_summary = summary
+        if self.odc_config.log_timeline:
+            path = plot_timeline(self.odc_stats.steps[-50:], Path(self.args.output_dir) / "odc_timeline.png")
+            logger.info("odc_hf: timeline written to %s", path)
+
+
+def make_odc_trainer(trainer_cls: type[Trainer]) -> type[Trainer]:
+    """``ODCX = make_odc_trainer(X)`` for any Trainer subclass X (TRL's SFTTrainer, your own, ...)."""
+    return type(f"ODC{trainer_cls.__name__}", (ODCMixin, trainer_cls), {"__module__": __name__})
+
+
+ODCTrainer = make_odc_trainer(Trainer)
+

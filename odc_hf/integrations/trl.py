@@ -1,0 +1,111 @@
+"""TRL integration: ``ODCSFTTrainer`` and ``patch_trl()``.
+
+TRL's ``SFTTrainer.compute_loss`` gathers its metrics (entropy, token accuracy, token count) once per
+microbatch; under ODC ranks run different numbers of microbatches, so the trainer keeps those gathers local
+inside the bundle loop (see ``_LocalGathers``) and aggregates here, once per step, with one all-reduce.
+That reads two private TRL attributes (``_metrics``, ``_total_train_tokens``): they are checked at start-up
+against the TRL versions this was written for.
+"""
+
+from __future__ import annotations
+
+import torch
+from packaging.version import Version
+
+from odc_hf.integrations.trainer import ODCMixin, make_odc_trainer
+
+TESTED_TRL = ("1.16",)
+_AVERAGED = ("entropy", "mean_token_accuracy", "aux_loss")
+
+
+def _check_trl(trainer) -> None:
+    import trl
+
+    if Version(trl.__version__) < Version("1.0"):
+        raise RuntimeError(f"odc_hf's TRL integration needs trl >= 1.0 (tested on {TESTED_TRL}); found {trl.__version__}")
+    missing = [name for name in ("_metrics", "_total_train_tokens") if not hasattr(trainer, name)]
+    if missing:
+        raise RuntimeError(f"trl {trl.__version__}: SFTTrainer lacks {missing}; odc_hf was tested on trl {TESTED_TRL}")
+
+
+class _SFTMetrics:
+    """Once-per-step aggregation of TRL SFT metrics that ``compute_loss`` recorded per local microbatch."""
+
+    def odc_before_bundle(self):
+        metrics = self._metrics["train"]
+        return {k: len(metrics[k]) if k in metrics else 0 for k in _AVERAGED}, self._total_train_tokens
+
+    def odc_after_bundle(self, snapshot) -> None:
+        lengths, tokens_before = snapshot
+        metrics = self._metrics["train"]
+        values = []
+        for key in _AVERAGED:
+            new = metrics[key][lengths[key] :] if key in metrics else []
+            values += [float(sum(new)), float(len(new))]
+        values.append(float(self._total_train_tokens - tokens_before))
+        vector = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            vector = self.accelerator.reduce(vector, reduction="sum")
+        vector = vector.tolist()
+        for i, key in enumerate(_AVERAGED):
+            if key in metrics:
+                del metrics[key][lengths[key] :]
+            if vector[2 * i + 1] > 0:  # mean over every microbatch of every rank
+                metrics[key].append(vector[2 * i] / vector[2 * i + 1])
+        self._total_train_tokens = tokens_before + int(vector[-1])
+        metrics["num_tokens"] = [self._total_train_tokens]
+
+
+def make_odc_sft_trainer(sft_cls):
+    base = make_odc_trainer(sft_cls)
+
+    class ODCSFT(_SFTMetrics, base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            _check_trl(self)
+            if getattr(self.args, "packing", False):
+                raise ValueError(
+                    "odc_hf packs each microbatch itself (padding-free, per-document position_ids, planned by "
+                    "the load balancer); set packing=False in SFTConfig"
+                )
+
+    ODCSFT.__name__ = ODCSFT.__qualname__ = f"ODC{sft_cls.__name__}"
+    return ODCSFT
+
+
+def __getattr__(name):
+    if name == "ODCSFTTrainer":
+        from trl import SFTTrainer
+
+        cls = make_odc_sft_trainer(SFTTrainer)
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+_PATCHED = False
+
+
+def patch_trl() -> None:
+    """Make ``trl.SFTTrainer`` (as recipe scripts import it) the ODC version, in this process only.
+
+    TRL has no plugin mechanism and its recipes do ``from trl import SFTTrainer``; rebinding that public name
+    before the recipe imports it is the least intrusive way in (nothing inside TRL is modified).
+    """
+    global _PATCHED
+    if _PATCHED:
+        return
+    import trl
+
+    odc_sft = __getattr__("ODCSFTTrainer")
+    trl.SFTTrainer = odc_sft
+    try:
+        import trl.trainer as trl_trainer
+
+        trl_trainer.SFTTrainer = odc_sft
+    except ImportError:  # pragma: no cover
+        pass
+    _PATCHED = True
+
+
+__all__ = ["ODCMixin", "ODCSFTTrainer", "make_odc_sft_trainer", "patch_trl"]
