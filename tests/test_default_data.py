@@ -106,8 +106,8 @@ def test_cache_trains_once_for_concurrent_callers_then_loads(tmp_path, monkeypat
 
     start = time.perf_counter()
     again = data.default_tokenizer(VOCAB, cache_dir=str(tmp_path))
-    assert time.perf_counter() - start < 1.0
-    assert len(calls) == 1 and again.get_vocab() == results[0].get_vocab()
+    assert len(calls) == 1 and again.get_vocab() == results[0].get_vocab()  # loaded, not retrained
+    assert time.perf_counter() - start < 2.0  # ~10 ms; loose for loaded CI machines
 
 
 def test_text_dataset_columns_bounds_and_cycling():
