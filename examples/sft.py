@@ -87,7 +87,10 @@ def build_model(args, tokenizer):
     config.use_cache = False
     config._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
-    return Qwen2ForCausalLM(config)
+    # Random init of a billion parameters is slow on a CPU: build on this rank's GPU (same seed on every rank).
+    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        return Qwen2ForCausalLM(config)
 
 
 def build_dataset(args, tokenizer, vocab_size: int):
