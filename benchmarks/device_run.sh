@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU checks run on the device machine (2 GPUs). Usage: bash benchmarks/device_run.sh A|B  (writes under $OUT)
+#   A: FSDP-adapter GPU tests, 1.5B ODC-vs-FSDP2 parity, the tiny main job on GPUs
+#   B: the main job with a 1.5B Qwen2 shape on LongAlign-like lengths, ODC+LB-Mini then FSDP2+LB-Micro
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/trl-*.whl .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site
+python3 -c "import torch, transformers, trl, datasets, pyarrow, accelerate; print('versions', torch.__version__, transformers.__version__, trl.__version__, datasets.__version__, pyarrow.__version__, accelerate.__version__)"
+if [ "$1" = A ]; then
+  timeout 220 python3 -m pytest -q -k cuda tests/test_fsdp_exact_gradients.py tests/test_transport_primitives.py \
+    -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+  timeout 200 python3 benchmarks/fsdp_parity.py --model 1.5b --steps 20 --out "$OUT" 2>&1 | tail -9
+  timeout 150 python3 examples/sft.py --output_dir /tmp/tiny --max_steps 10 > "$OUT/sft_tiny.log" 2>&1
+  echo "tiny main job rc=$?"; tail -2 "$OUT/sft_tiny.log"
+fi
+if [ "$1" = B ]; then
+  for mode in "on lb_mini" "off lb_micro"; do
+    set -- $mode
+    timeout 270 accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py --model_shape 1.5b \
+      --workload longalign --num_samples 96 --max_length 32768 --max_tokens_per_microbatch 32768 \
+      --per_device_train_batch_size 4 --max_steps 8 --bf16 --gradient_checkpointing --learning_rate 1e-5 \
+      --odc "$1" --balance "$2" --output_dir "/tmp/sft15_$1" --losses_json "$OUT/sft_1.5b_longalign_$2.json" \
+      > "/tmp/sft15_$1.log" 2>&1
+    echo "1.5B $mode rc=$?"; grep -v "it/s\]\|examples/s\]" "/tmp/sft15_$1.log" | tail -4 | cut -c1-600
+  done
+  cp /tmp/sft15_on/odc_timeline.png "$OUT/odc_timeline_1.5b_longalign.png" 2>/dev/null
+  tail -c 20000 /tmp/sft15_on.log > "$OUT/sft15_on.log"
+fi
