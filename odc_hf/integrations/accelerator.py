@@ -90,7 +90,7 @@ class ODCAccelerator(Accelerator):
                 if isinstance(opt, torch.optim.Optimizer):
                     _remap_optimizer(opt, names, model)
         prepared = super().prepare(*args, device_placement=device_placement)
-        result = prepared if isinstance(prepared, tuple) else (prepared,)
+        result = tuple(prepared) if isinstance(prepared, (tuple, list)) else (prepared,)
         prepared_model = next(r for r in result if isinstance(r, torch.nn.Module))
         if not config.enabled:
             # The collective baseline: plain FSDP2, but with ODC's SUM semantics (the loss carries the global
