@@ -20,9 +20,9 @@ fi
 if [ "$1" = B ]; then
   for mode in "on lb_mini" "off lb_micro"; do
     set -- $mode
-    timeout 270 accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py --model_shape 1.5b \
+    timeout 270 accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py --model_shape 1.5B \
       --workload longalign --num_samples 96 --max_length 32768 --max_tokens_per_microbatch 32768 \
-      --per_device_train_batch_size 4 --max_steps 8 --bf16 --gradient_checkpointing --learning_rate 1e-5 \
+      --per_device_train_batch_size 4 --max_steps 6 --bf16 --gradient_checkpointing --learning_rate 1e-5 \
       --odc "$1" --balance "$2" --output_dir "/tmp/sft15_$1" --losses_json "$OUT/sft_1.5b_longalign_$2.json" \
       > "/tmp/sft15_$1.log" 2>&1
     echo "1.5B $mode rc=$?"; grep -v "it/s\]\|examples/s\]" "/tmp/sft15_$1.log" | tail -4 | cut -c1-600

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_name_or_path", default=None, help="hub model (default: tiny model from a config)")
-    p.add_argument("--model_shape", choices=["tiny", "0.5b", "1.5b", "7b"], default="tiny",
+    p.add_argument("--model_shape", choices=["tiny", "1.5B", "7B", "14B", "32B"], default="tiny",
                    help="random-init Qwen2/2.5 shape when no --model_name_or_path")  # fmt: skip
     p.add_argument("--dataset_name", default=None, help="hub dataset with a 'text' or 'messages' column")
     p.add_argument("--workload", choices=["stdlib", "longalign", "swe_smith", "tulu"], default="stdlib")
@@ -83,7 +83,7 @@ def build_model(args, tokenizer):
     if args.model_shape == "tiny":
         return tiny_qwen2_model(tokenizer, seed=args.seed)
     config = qwen2_5_config(args.model_shape)
-    config.tie_word_embeddings = args.model_shape in ("0.5b", "1.5b")
+    config.tie_word_embeddings = args.model_shape == "1.5B"  # as the released Qwen2.5 models
     config.use_cache = False
     config._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
