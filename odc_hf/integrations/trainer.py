@@ -173,9 +173,10 @@ class ODCMixin:
         collator = _BundleCollator(max_tokens_per_microbatch=budget, truncate=self.odc_config.truncate,
                                    pad_token_id=pad if pad is not None else 0)  # fmt: skip
         self.odc_sampler = sampler
+        # No pin_memory: torch's pinning rebuilds Mapping batches as their type from a dict, which a Bundle is
+        # not; training_step copies each microbatch to the device itself.
         return BundleLoader(BundleDataset(dataset), batch_sampler=sampler, collate_fn=collator,
-                            num_workers=self.args.dataloader_num_workers,
-                            pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available())  # fmt: skip
+                            num_workers=self.args.dataloader_num_workers)  # fmt: skip
 
     # -- one optimizer step ------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
