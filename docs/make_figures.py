@@ -77,8 +77,10 @@ def _odc(ax) -> float:
         if ends[r] < barrier:
             _bar(ax, r, ends[r], barrier - ends[r], IDLE, "///")
         _bar(ax, r, barrier, STEP_COST, STEP)
-    labels = ((barrier, "finish_minibatch(): minibatch barrier ", "right"),
-              (barrier + STEP_COST, " publish(): publish barrier", "left"))
+    labels = (
+        (barrier, "finish_minibatch(): minibatch barrier ", "right"),
+        (barrier + STEP_COST, " publish(): publish barrier", "left"),
+    )
     for x, label, align in labels:
         ax.plot([x, x], [-0.75, 1.45], color=BARRIER, lw=2.2)
         ax.text(x, -0.6, label, ha=align, va="center", fontsize=8, color=BARRIER)
@@ -198,15 +200,16 @@ def data_path() -> Path:
 
 
 def memory() -> Path:
-    """Persistent bytes per parameter element on each rank (divide by the world size W), AdamW, fp32 master
-    weights, bf16 compute: FSDP2 vs ODC on CUDA. Activations and transient per-layer buffers not included."""
+    """Bytes per parameter on each rank at the optimizer step (divide by the world size W), AdamW, fp32 master
+    weights, bf16 all-gathers, fp32 reduce (FSDP reduce_dtype = parameter dtype, so the accumulator replaces
+    FSDP2's gradient shard): FSDP2 vs ODC on CUDA. Activations and transient per-layer buffers not included."""
     rows = {
         "FSDP2": [("fp32 params", 4, "#fff2cc"), ("fp32 grad shard", 4, "#f4cccc"), ("AdamW state", 8, "#d9ead3")],
-        "ODC (CUDA)": [("fp32 params", 4, "#fff2cc"), ("fp32 accumulator\n(= the grad)", 4, "#f8cecc"),
+        "ODC (CUDA,\nfp32 reduce)": [("fp32 params", 4, "#fff2cc"), ("fp32 accumulator\n(= the grad)", 4, "#f8cecc"),
                        ("AdamW state", 8, "#d9ead3"), ("bf16\nstaging", 2, "#dae8fc")],
     }  # fmt: skip
     fig, ax = plt.subplots(figsize=(8, 2.4))
-    for y, (name, parts) in enumerate(rows.items()):
+    for y, parts in enumerate(rows.values()):
         x = 0.0
         for label, nbytes, colour in parts:
             ax.barh(y, nbytes, left=x, color=colour, edgecolor="#444444", lw=0.6)
@@ -217,7 +220,9 @@ def memory() -> Path:
     ax.set_ylim(1.6, -0.6)
     ax.set_xlim(0, 21)
     ax.set_xticks(range(0, 21, 2))
-    ax.set_xlabel("bytes per model parameter on each of W ranks at the optimizer step (activations not included)")
+    ax.set_xlabel(
+        "bytes per model parameter on each of W ranks at the optimizer step (activations not included)"
+    )
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()
