@@ -147,7 +147,8 @@ def main(argv=None) -> None:
         if args.losses_json:
             steps = [{"microbatches": s.microbatches, "busy_s": s.busy_s, "wait_s": s.wait_s} for s in trainer.odc_stats.steps]
             Path(args.losses_json).write_text(json.dumps({"history": history, "summary": summary, "steps": steps}, indent=1))
-        mode = "ODC" if trainer.odc is not None else "FSDP2 collectives"
+        world = trainer.accelerator.num_processes
+        mode = "ODC" if trainer.odc is not None else ("FSDP2 collectives" if world > 1 else "single process, no ODC")
         print(f"\nodc_hf summary ({mode}, {odc_config.balance}, {trainer.accelerator.num_processes} processes, "
               f"{trainer.state.global_step} steps): final loss {history[-1]['loss']:.4f}, "
               f"tokens/s {summary.get('odc/tokens_per_s', 0):.0f}, bubble rate {summary.get('odc/bubble_rate', 0):.1%}, "

@@ -236,6 +236,26 @@ class ODCMixin:
             return sum(super(ODCMixin, self).floating_point_ops(mb) for mb in inputs.microbatches)
         return super().floating_point_ops(inputs)
 
+    # -- saving ------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """On GPUs accelerate's FSDP2 path saves; on the CPU path (sharded by odc_hf) gather a full state dict
+        on every rank (a collective) and write it from the main process."""
+        from accelerate.utils import DistributedType
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from odc_hf.integrations.accelerator import _is_sharded
+
+        if self.accelerator.distributed_type == DistributedType.FSDP or not _is_sharded(self.model):
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.accelerator.is_main_process:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, state_dict=state)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+        self.accelerator.wait_for_everyone()
+
     # -- observability -----------------------------------------------------------------------------
     def log(self, logs, *args, **kwargs):
         if "loss" in logs:

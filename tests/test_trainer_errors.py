@@ -1,0 +1,67 @@
+"""Setups odc_hf cannot serve fail with a message saying what to change; a single process trains without ODC."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DistributedType
+
+from odc_hf.config import ODCConfig
+from odc_hf.integrations.accelerator import check_supported
+from odc_hf.integrations.trainer import ODCMixin
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fake_accelerator(kind, version=2):
+    plugin = SimpleNamespace(fsdp_version=version)
+    return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin), parallelism_config=None)
+
+
+def test_fsdp1_deepspeed_and_ddp_configs_are_refused():
+    with pytest.raises(ValueError, match="fsdp_version: 2"):
+        check_supported(_fake_accelerator(DistributedType.FSDP, version=1))
+    with pytest.raises(ValueError, match="does not support"):
+        check_supported(_fake_accelerator(DistributedType.DEEPSPEED))
+    with pytest.raises(ValueError, match="FSDP2 config"):
+        check_supported(_fake_accelerator(DistributedType.MULTI_GPU))
+    check_supported(_fake_accelerator(DistributedType.FSDP))  # FSDP2: fine
+    check_supported(_fake_accelerator(DistributedType.MULTI_CPU))  # CPU: odc_hf shards itself
+
+
+def test_iterable_dataset_is_refused():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield {"input_ids": [1, 2, 3]}
+
+    with pytest.raises(ValueError, match="map-style dataset"):
+        ODCMixin.get_train_dataloader(SimpleNamespace(train_dataset=Stream()))
+
+
+def test_config_validation_and_environment():
+    with pytest.raises(ValueError, match="collectives cannot run"):
+        ODCConfig(enabled=False, balance="lb_mini")
+    with pytest.raises(ValueError, match="balance must be one of"):
+        ODCConfig(balance="fastest")
+    config = ODCConfig.from_env({"ODC_BALANCE": "lb_micro", "ODC_TIMEOUT_S": "5", "ODC_ENABLED": "false"})
+    assert (config.balance, config.timeout_s, config.enabled) == ("lb_micro", 5.0, False)
+    assert ODCConfig.from_env({"ODC_BALANCE": "none"}, balance="lb_mini").balance == "lb_mini"
+    with pytest.raises(ValueError, match="not a boolean"):
+        ODCConfig.from_env({"ODC_ENABLED": "maybe"})
+
+
+@pytest.mark.slow
+def test_single_process_trains_without_odc_with_a_notice(tmp_path):
+    env = {**os.environ, "ODC_NO_RELAUNCH": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, str(ROOT / "examples/sft.py"), "--max_steps", "2", "--num_samples", "32",
+           "--max_length", "256", "--output_dir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "single process has nothing to communicate" in proc.stderr
+    assert "odc_hf summary (FSDP2 collectives" not in proc.stdout and "1 processes, 2 steps" in proc.stdout
