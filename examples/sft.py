@@ -1,7 +1,7 @@
 """SFT with ODC + LB-Mini through TRL's SFTTrainer: the main job.
 
     python examples/sft.py                  # 2 processes: GPUs if there are 2+, else CPU; tiny offline default
-    accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py --model_shape 1.5b \
+    accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py --model_shape 1.5B \
         --workload longalign --max_tokens_per_microbatch 32768 --bf16 --gradient_checkpointing
     accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara     # where a hub is reachable
@@ -125,9 +125,10 @@ def main(argv=None) -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     model = build_model(args, tokenizer)
     dataset = build_dataset(args, tokenizer, model.config.vocab_size)
+    balance = args.balance or ("lb_micro" if args.odc == "off" else None)  # collectives need equal counts
     odc_config = ODCConfig.from_env(
         enabled=None if args.odc is None else args.odc == "on",
-        balance=args.balance, cost_model=args.cost_model, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        balance=balance, cost_model=args.cost_model, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
     )  # fmt: skip
     sft_args = SFTConfig(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.per_device_train_batch_size,
@@ -145,10 +146,19 @@ def main(argv=None) -> None:
         history = [h for h in trainer.state.log_history if "loss" in h]
         summary = getattr(trainer, "odc_summary", {})
         if args.losses_json:
-            steps = [{"microbatches": s.microbatches, "busy_s": s.busy_s, "wait_s": s.wait_s} for s in trainer.odc_stats.steps]
-            Path(args.losses_json).write_text(json.dumps({"history": history, "summary": summary, "steps": steps}, indent=1))
+            steps = [
+                {"microbatches": s.microbatches, "busy_s": s.busy_s, "wait_s": s.wait_s}
+                for s in trainer.odc_stats.steps
+            ]
+            Path(args.losses_json).write_text(
+                json.dumps({"history": history, "summary": summary, "steps": steps}, indent=1)
+            )
         world = trainer.accelerator.num_processes
-        mode = "ODC" if trainer.odc is not None else ("FSDP2 collectives" if world > 1 else "single process, no ODC")
+        mode = (
+            "ODC"
+            if trainer.odc is not None
+            else ("FSDP2 collectives" if world > 1 else "single process, no ODC")
+        )
         print(f"\nodc_hf summary ({mode}, {odc_config.balance}, {trainer.accelerator.num_processes} processes, "
               f"{trainer.state.global_step} steps): final loss {history[-1]['loss']:.4f}, "
               f"tokens/s {summary.get('odc/tokens_per_s', 0):.0f}, bubble rate {summary.get('odc/bubble_rate', 0):.1%}, "

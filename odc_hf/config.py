@@ -3,8 +3,9 @@
 Set it from Python (``ODCConfig(balance="lb_mini", ...)``), or from ``ODC_*`` environment variables
 (``ODC_BALANCE=lb_micro accelerate launch ...``: the way to reach recipe scripts you do not edit). An
 accelerate YAML cannot carry extra keys (accelerate rejects unknown top-level keys and drops unknown
-``fsdp_config`` keys), so ODC options never live there. Precedence: explicit Python values, then the
-environment, then the defaults below.
+``fsdp_config`` keys), so ODC options never live there. ``ODCConfig(...)`` uses only what you pass;
+``ODCConfig.from_env(**overrides)`` (what the trainers use when you pass no config) starts from the defaults,
+applies the environment, then your non-None overrides.
 """
 
 from __future__ import annotations
@@ -58,11 +59,15 @@ class ODCConfig:
                 "use balance='lb_micro' or 'none' with enabled=False"
             )
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
-            raise ValueError(f"max_tokens_per_microbatch must be positive, got {self.max_tokens_per_microbatch}")
+            raise ValueError(
+                f"max_tokens_per_microbatch must be positive, got {self.max_tokens_per_microbatch}"
+            )
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.cost_model not in ("flop", "tokens") and not self.cost_model.endswith(".json"):
-            raise ValueError(f"cost_model must be 'flop', 'tokens' or a calibration .json path, got {self.cost_model!r}")
+            raise ValueError(
+                f"cost_model must be 'flop', 'tokens' or a calibration .json path, got {self.cost_model!r}"
+            )
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> ODCConfig:

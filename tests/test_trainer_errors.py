@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _fake_accelerator(kind, version=2):
     plugin = SimpleNamespace(fsdp_version=version)
-    return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin), parallelism_config=None)
+    return SimpleNamespace(
+        distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin), parallelism_config=None
+    )
 
 
 def test_fsdp1_deepspeed_and_ddp_configs_are_refused():

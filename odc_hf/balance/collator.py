@@ -68,10 +68,17 @@ class BundleCollator:
         truncate: cut every document to ``max_tokens_per_microbatch`` tokens (pairs with the sampler's
             ``truncate=True``).
         pad_token_id: token of dummy microbatches (never trained on).
+        mask_keys: which 0/1 columns mask labels (default both of ``MASK_KEYS``; TRL's trainer passes the ones
+            its ``completion_only_loss`` / ``assistant_only_loss`` settings enable).
     """
 
     def __init__(
-        self, *, max_tokens_per_microbatch: int | None = None, truncate: bool = False, pad_token_id: int = 0
+        self,
+        *,
+        max_tokens_per_microbatch: int | None = None,
+        truncate: bool = False,
+        pad_token_id: int = 0,
+        mask_keys: Sequence[str] = MASK_KEYS,
     ):
         if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
@@ -82,6 +89,7 @@ class BundleCollator:
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.truncate = truncate
         self.pad_token_id = int(pad_token_id)
+        self.mask_keys = tuple(mask_keys)
         self._packer = DataCollatorForLanguageModeling(pad_token_id=self.pad_token_id, padding_free=True)
 
     def _document(self, example: Mapping[str, Any]) -> dict[str, list[int]]:
@@ -91,7 +99,7 @@ class BundleCollator:
         labels = list(input_ids) if labels is None else _as_list(labels)
         if len(labels) != len(input_ids):
             raise ValueError(f"example has {len(input_ids)} input_ids but {len(labels)} labels")
-        for key in MASK_KEYS:
+        for key in self.mask_keys:
             if example.get(key) is not None:
                 mask = _as_list(example[key])
                 if len(mask) != len(input_ids):

@@ -18,6 +18,7 @@ ODC path runs on laptops and in CI.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -35,7 +36,9 @@ def _is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def _remap_optimizer(optimizer: torch.optim.Optimizer, before: dict[int, str], model: torch.nn.Module) -> None:
+def _remap_optimizer(
+    optimizer: torch.optim.Optimizer, before: dict[int, str], model: torch.nn.Module
+) -> None:
     """After ``fully_shard`` replaced the parameters, point the (still empty) optimizer at the new ones."""
     if optimizer.state:
         raise ValueError("the optimizer already has state; prepare() it before its first step")
@@ -48,21 +51,44 @@ def check_supported(accelerator: Accelerator) -> None:
     """Refuse setups ODC cannot serve, with a message that says what to change."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if accelerator.distributed_type == DistributedType.FSDP and getattr(plugin, "fsdp_version", 1) != 2:
-        raise ValueError("odc_hf needs FSDP2: set `fsdp_version: 2` in the accelerate config (FSDP1 is not supported)")
-    if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA):
-        raise ValueError(f"odc_hf does not support {accelerator.distributed_type}; use FSDP2 (accelerate_configs/odc.yaml)")
+        raise ValueError(
+            "odc_hf needs FSDP2: set `fsdp_version: 2` in the accelerate config (FSDP1 is not supported)"
+        )
+    if accelerator.distributed_type in (
+        DistributedType.DEEPSPEED,
+        DistributedType.MEGATRON_LM,
+        DistributedType.XLA,
+    ):
+        raise ValueError(
+            f"odc_hf does not support {accelerator.distributed_type}; use FSDP2 (accelerate_configs/odc.yaml)"
+        )
     if accelerator.distributed_type == DistributedType.MULTI_GPU:
         raise ValueError(
             "this accelerate config runs DDP on GPUs; ODC replaces FSDP2's collectives, so launch with an FSDP2 "
             "config (accelerate_configs/odc.yaml)"
         )
     pc = getattr(accelerator, "parallelism_config", None)
-    if pc is not None and any(getattr(pc, f"{dim}_size", 1) > 1 for dim in ("tp", "cp", "sp", "dp_replicate")):
+    if pc is not None and any(
+        getattr(pc, f"{dim}_size", 1) > 1 for dim in ("tp", "cp", "sp", "dp_replicate")
+    ):
         raise ValueError(f"odc_hf supports 1-D data-parallel sharding only; got {pc}")
 
 
 def odc_active(accelerator: Accelerator, config: ODCConfig) -> bool:
     return config.enabled and accelerator.num_processes > 1
+
+
+def _reduce_in_fp32(accelerator: Accelerator) -> None:
+    """Under ODC the reduce-scatter output is a shared zero buffer and gradients live in the fp32 accumulator.
+
+    With ``mixed_precision: bf16`` accelerate sets ``reduce_dtype=bf16``; FSDP then casts our zero output to
+    fp32 per unit and microbatch, allocating the fp32 gradient shard ODC exists to avoid. fp32 reduction costs
+    no precision (the gradients are bf16 values either way) and no NVLink bytes (atomics add fp32 anyway).
+    """
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if policy is not None and getattr(policy, "reduce_dtype", None) not in (None, torch.float32):
+        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
 
 
 class ODCAccelerator(Accelerator):
@@ -81,6 +107,8 @@ class ODCAccelerator(Accelerator):
             raise ValueError("ODCAccelerator.prepare takes one model at a time")
         check_supported(self)
         model = models[0]
+        if config.enabled:
+            _reduce_in_fp32(self)
         if self.distributed_type != DistributedType.FSDP and not _is_sharded(model):
             # CPU: accelerate would use DDP; shard it ourselves, with accelerate's unit grouping.
             names = {id(p): n for n, p in model.named_parameters()}
@@ -107,14 +135,18 @@ class ODCAccelerator(Accelerator):
             inner = getattr(r, "optimizer", r)
             if isinstance(inner, torch.optim.Optimizer):
                 self.odc.attach_optimizer(inner)
-        logger.info("odc_hf: ODC installed on %d units across %d ranks", len(self.odc.units), self.num_processes)
+        logger.info(
+            "odc_hf: ODC installed on %d units across %d ranks", len(self.odc.units), self.num_processes
+        )
         return prepared
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         if self.distributed_type != DistributedType.FSDP and _is_sharded(model):
             # Already sharded by us (CPU path): no DDP on top of FSDP2.
             return super().prepare_model(model, device_placement=False, evaluation_mode=True)
-        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        return super().prepare_model(
+            model, device_placement=device_placement, evaluation_mode=evaluation_mode
+        )
 
 
 def adopt(accelerator: Accelerator, config: ODCConfig | None = None) -> ODCAccelerator:

@@ -33,7 +33,12 @@ class StepStats:
     @classmethod
     def from_gathered(cls, rows: torch.Tensor) -> StepStats:
         rows = rows.reshape(-1, 4).double().cpu()
-        return cls(rows[:, 0].tolist(), rows[:, 1].tolist(), [int(x) for x in rows[:, 2]], [int(x) for x in rows[:, 3]])
+        return cls(
+            rows[:, 0].tolist(),
+            rows[:, 1].tolist(),
+            [int(x) for x in rows[:, 2]],
+            [int(x) for x in rows[:, 3]],
+        )
 
 
 class RunStats:

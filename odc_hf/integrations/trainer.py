@@ -13,6 +13,8 @@ so ranks running different numbers of microbatches do not reweight samples.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import logging
 import time
@@ -24,10 +26,16 @@ from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
-from odc_hf.balance import BundleCollator, BundleDataset, FlopCostModel, ODCBatchSampler, QuadraticCostModel
-from odc_hf.balance import TokenCostModel
+from odc_hf.balance import (
+    BundleCollator,
+    BundleDataset,
+    FlopCostModel,
+    ODCBatchSampler,
+    QuadraticCostModel,
+    TokenCostModel,
+)
 from odc_hf.config import ODCConfig
-from odc_hf.integrations.accelerator import adopt, odc_active
+from odc_hf.integrations.accelerator import adopt
 from odc_hf.integrations.stats import RunStats, StepStats, plot_timeline
 
 logger = logging.getLogger(__name__)
@@ -53,7 +61,9 @@ class Bundle(Mapping):
 
     def __iter__(self):
         keys = self.microbatches[0].keys() if self.microbatches else ("input_ids",)
-        return iter([k for k in keys if k == "input_ids" or isinstance(self.microbatches[0].get(k), torch.Tensor)])
+        return iter(
+            [k for k in keys if k == "input_ids" or isinstance(self.microbatches[0].get(k), torch.Tensor)]
+        )
 
     def __len__(self) -> int:
         return len(list(iter(self)))
@@ -123,7 +133,7 @@ class ODCMixin:
 
     # -- setup -------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
-        args = self.args
+        self.args = args = copy.copy(self.args)  # the user's object stays as they made it
         self.odc_minibatch_per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
         if args.gradient_accumulation_steps != 1:
             logger.info(
@@ -147,7 +157,12 @@ class ODCMixin:
             return FlopCostModel.from_config(config)
         if choice == "tokens":
             return TokenCostModel()
-        return QuadraticCostModel(**json.loads(Path(choice).read_text()))
+        data = json.loads(Path(choice).read_text())
+        if all(k in data for k in "abc"):
+            return QuadraticCostModel(a=data["a"], b=data["b"], c=data["c"])
+        if "lengths" in data and "seconds" in data:  # raw timings: fit them
+            return QuadraticCostModel.fit(data["lengths"], data["seconds"])
+        raise ValueError(f"{choice}: expected a JSON object with a, b, c (or lengths and seconds to fit)")
 
     def get_train_dataloader(self) -> DataLoader:
         dataset = self.train_dataset
@@ -171,12 +186,18 @@ class ODCMixin:
         )  # fmt: skip
         pad = getattr(self.processing_class, "pad_token_id", None)
         collator = _BundleCollator(max_tokens_per_microbatch=budget, truncate=self.odc_config.truncate,
-                                   pad_token_id=pad if pad is not None else 0)  # fmt: skip
+                                   pad_token_id=pad if pad is not None else 0, mask_keys=self.odc_mask_keys())  # fmt: skip
         self.odc_sampler = sampler
         # No pin_memory: torch's pinning rebuilds Mapping batches as their type from a dict, which a Bundle is
         # not; training_step copies each microbatch to the device itself.
         return BundleLoader(BundleDataset(dataset), batch_sampler=sampler, collate_fn=collator,
                             num_workers=self.args.dataloader_num_workers)  # fmt: skip
+
+    def odc_mask_keys(self) -> tuple[str, ...]:
+        """Example columns whose zeros mask labels (TRL's trainer narrows this to what its settings enable)."""
+        from odc_hf.balance.collator import MASK_KEYS
+
+        return MASK_KEYS
 
     # -- one optimizer step ------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -185,7 +206,9 @@ class ODCMixin:
         except StopIteration:
             return [], None
         local = torch.tensor(float(bundle.label_tokens), device=self.accelerator.device)
-        total = self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
+        total = (
+            self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
+        )
         return [bundle], total.clamp(min=1)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -198,13 +221,17 @@ class ODCMixin:
         snapshot = self.odc_before_bundle()
         real_accelerator = self.accelerator
         self.accelerator = _LocalGathers(real_accelerator)
+        guard = self.odc.failure_guard() if self.odc is not None else contextlib.nullcontext()
         try:
-            for microbatch in inputs.microbatches:
-                batch = send_to_device({k: v for k, v in microbatch.items() if k != "num_label_tokens"}, device)
-                with self.compute_loss_context_manager():
-                    loss = self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
-                real_accelerator.backward(loss)
-                loss_sum += loss.detach()
+            with guard:  # a rank that raises tells its peers at once instead of leaving them to time out
+                for microbatch in inputs.microbatches:
+                    batch = send_to_device(
+                        {k: v for k, v in microbatch.items() if k != "num_label_tokens"}, device
+                    )
+                    with self.compute_loss_context_manager():
+                        loss = self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
+                    real_accelerator.backward(loss)
+                    loss_sum += loss.detach()
         finally:
             self.accelerator = real_accelerator
         if device.type == "cuda":
@@ -248,7 +275,9 @@ class ODCMixin:
         if self.accelerator.distributed_type == DistributedType.FSDP or not _is_sharded(self.model):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if self.accelerator.is_main_process:
             Path(output_dir).mkdir(parents=True, exist_ok=True)
             self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, state_dict=state)
@@ -259,7 +288,12 @@ class ODCMixin:
     # -- observability -----------------------------------------------------------------------------
     def log(self, logs, *args, **kwargs):
         if "loss" in logs:
-            logs = {**logs, **{k: round(v, 4) for k, v in self.odc_stats.window().items()}}
+            window = self.odc_stats.window()
+            if (
+                self.odc is None
+            ):  # collectives: waits hide inside FSDP's per-layer collectives, not measurable here
+                window = {k: v for k, v in window.items() if k not in ("odc/bubble_rate", "odc/wait_s_mean")}
+            logs = {**logs, **{k: round(v, 4) for k, v in window.items()}}
         return super().log(logs, *args, **kwargs)
 
     def odc_finish_run(self) -> None:
@@ -278,4 +312,3 @@ def make_odc_trainer(trainer_cls: type[Trainer]) -> type[Trainer]:
 
 
 ODCTrainer = make_odc_trainer(Trainer)
-

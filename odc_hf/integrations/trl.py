@@ -22,10 +22,14 @@ def _check_trl(trainer) -> None:
     import trl
 
     if Version(trl.__version__) < Version("1.0"):
-        raise RuntimeError(f"odc_hf's TRL integration needs trl >= 1.0 (tested on {TESTED_TRL}); found {trl.__version__}")
+        raise RuntimeError(
+            f"odc_hf's TRL integration needs trl >= 1.0 (tested on {TESTED_TRL}); found {trl.__version__}"
+        )
     missing = [name for name in ("_metrics", "_total_train_tokens") if not hasattr(trainer, name)]
     if missing:
-        raise RuntimeError(f"trl {trl.__version__}: SFTTrainer lacks {missing}; odc_hf was tested on trl {TESTED_TRL}")
+        raise RuntimeError(
+            f"trl {trl.__version__}: SFTTrainer lacks {missing}; odc_hf was tested on trl {TESTED_TRL}"
+        )
 
 
 class _SFTMetrics:
@@ -69,6 +73,14 @@ def make_odc_sft_trainer(sft_cls):
                     "the load balancer); set packing=False in SFTConfig"
                 )
 
+        def odc_mask_keys(self) -> tuple[str, ...]:
+            keys = []
+            if getattr(self.args, "completion_only_loss", None) is not False:
+                keys.append("completion_mask")
+            if getattr(self.args, "assistant_only_loss", False):
+                keys.append("assistant_masks")
+            return tuple(keys)
+
     ODCSFT.__name__ = ODCSFT.__qualname__ = f"ODC{sft_cls.__name__}"
     return ODCSFT
 
@@ -108,4 +120,4 @@ def patch_trl() -> None:
     _PATCHED = True
 
 
-__all__ = ["ODCMixin", "ODCSFTTrainer", "make_odc_sft_trainer", "patch_trl"]
+__all__ = ["ODCMixin", "make_odc_sft_trainer", "patch_trl"]  # and ODCSFTTrainer, built on first access

@@ -12,9 +12,9 @@ registered unit a transport keeps, on every rank,
   :meth:`Transport.take_accumulated` after the minibatch barrier.
 
 Layouts follow FSDP2's collectives: the input of a gather-like or reduce-scatter-like operation is a flat
-tensor of ``world_size * shard_numel`` elements, row ``r`` belonging to rank ``r``. Both primitives skip the
-caller's own row: FSDP has already placed its own shard in the gather output, and the caller keeps its own
-gradient row (it flows through FSDP's normal path into ``param.grad``).
+tensor of ``world_size * shard_numel`` elements, row ``r`` belonging to rank ``r``. Gather skips the caller's
+own row (FSDP has already placed its own shard in the output); scatter-accumulate skips it unless
+``include_self=True`` (the FSDP adapter passes that: its gradients live entirely in the accumulator).
 
 The only waits on peers are in :meth:`Transport.barrier`; each carries a timeout and raises
 :class:`PeerTimeoutError` / :class:`PeerFailedError` naming the operation, the peer and the minibatch.
