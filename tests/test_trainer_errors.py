@@ -67,3 +67,12 @@ def test_single_process_trains_without_odc_with_a_notice(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "single process has nothing to communicate" in proc.stderr
     assert "odc_hf summary (FSDP2 collectives" not in proc.stdout and "1 processes, 2 steps" in proc.stdout
+
+
+def test_private_trainer_hooks_odc_hf_overrides_exist():
+    # odc_hf/integrations/checkpoint.py replaces these for the CPU-sharded path only; fail loudly if renamed.
+    from transformers import Trainer
+
+    from odc_hf.integrations.checkpoint import TRAINER_HOOKS
+
+    assert all(callable(getattr(Trainer, name, None)) for name in TRAINER_HOOKS)

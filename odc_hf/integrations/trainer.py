@@ -267,12 +267,9 @@ class ODCMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """On GPUs accelerate's FSDP2 path saves; on the CPU path (sharded by odc_hf) gather a full state dict
         on every rank (a collective) and write it from the main process."""
-        from accelerate.utils import DistributedType
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from odc_hf.integrations.accelerator import _is_sharded
-
-        if self.accelerator.distributed_type == DistributedType.FSDP or not _is_sharded(self.model):
+        if not self._odc_self_sharded():
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         state = get_model_state_dict(
@@ -284,6 +281,27 @@ class ODCMixin:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
         self.accelerator.wait_for_everyone()
+
+    def _odc_self_sharded(self) -> bool:
+        from accelerate.utils import DistributedType
+
+        from odc_hf.integrations.accelerator import _is_sharded
+
+        return self.accelerator.distributed_type != DistributedType.FSDP and _is_sharded(self.model)
+
+    # Private Trainer methods, overridden for the CPU path only (see odc_hf/integrations/checkpoint.py).
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if not self._odc_self_sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from odc_hf.integrations.checkpoint import save_optimizer_and_scheduler
+
+        save_optimizer_and_scheduler(self, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        from odc_hf.integrations.checkpoint import load_optimizer_and_scheduler
+
+        if checkpoint is None or not self._odc_self_sharded() or not load_optimizer_and_scheduler(self, checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
 
     # -- observability -----------------------------------------------------------------------------
     def log(self, logs, *args, **kwargs):
