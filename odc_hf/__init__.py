@@ -18,6 +18,9 @@ _LAZY = {
     "make_odc_trainer": "odc_hf.integrations.trainer",
     "ODCSFTTrainer": "odc_hf.integrations.trl",
     "patch_trl": "odc_hf.integrations.trl",
+    "ODCTrainingArguments": "odc_hf.integrations.arguments",
+    "ODCSFTConfig": "odc_hf.integrations.arguments",
+    "make_odc_arguments": "odc_hf.integrations.arguments",
 }
 
 

@@ -76,3 +76,30 @@ def test_private_trainer_hooks_odc_hf_overrides_exist():
     from odc_hf.integrations.checkpoint import TRAINER_HOOKS
 
     assert all(callable(getattr(Trainer, name, None)) for name in TRAINER_HOOKS)
+
+
+def test_odc_options_from_trainer_arguments():
+    from transformers import HfArgumentParser
+
+    from odc_hf import ODCSFTConfig, ODCTrainingArguments
+    from odc_hf.integrations.arguments import odc_config_from_args
+
+    (args,) = HfArgumentParser(ODCTrainingArguments).parse_args_into_dataclasses(
+        [
+            "--output_dir",
+            "/tmp/x",
+            "--odc_balance",
+            "lb_micro",
+            "--odc_max_tokens_per_microbatch",
+            "4096",
+            "--report_to",
+            "none",
+        ]  # fmt: skip
+    )
+    config = odc_config_from_args(args, environ={"ODC_TIMEOUT_S": "12", "ODC_BALANCE": "none"})
+    assert (config.balance, config.max_tokens_per_microbatch, config.timeout_s) == ("lb_micro", 4096, 12.0)
+    sft = ODCSFTConfig(
+        output_dir="/tmp/x", odc_enabled=False, odc_balance="lb_micro", report_to="none", bf16=False
+    )
+    assert odc_config_from_args(sft, environ={}).enabled is False
+    assert "ODC:" in ODCTrainingArguments.__dataclass_fields__["odc_balance"].metadata["help"]

@@ -4,7 +4,6 @@ step-5 checkpoint (model, sharded optimizer, scheduler, RNG, sampler position) r
 from __future__ import annotations
 
 import pytest
-
 from test_trainer_sft_parity import launch
 
 

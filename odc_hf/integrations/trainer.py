@@ -126,7 +126,12 @@ class ODCMixin:
     """Mix into a ``transformers.Trainer`` subclass: ``make_odc_trainer(SFTTrainer)`` or ``ODCTrainer``."""
 
     def __init__(self, *args, odc_config: ODCConfig | None = None, **kwargs):
-        self.odc_config = odc_config if odc_config is not None else ODCConfig.from_env()
+        if odc_config is None:  # trainer arguments' odc_* fields, then ODC_* variables, then defaults
+            from odc_hf.integrations.arguments import odc_config_from_args
+
+            training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+            odc_config = odc_config_from_args(training_args)
+        self.odc_config = odc_config
         self.odc_stats = RunStats()
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
@@ -300,7 +305,11 @@ class ODCMixin:
     def _load_optimizer_and_scheduler(self, checkpoint):
         from odc_hf.integrations.checkpoint import load_optimizer_and_scheduler
 
-        if checkpoint is None or not self._odc_self_sharded() or not load_optimizer_and_scheduler(self, checkpoint):
+        if (
+            checkpoint is None
+            or not self._odc_self_sharded()
+            or not load_optimizer_and_scheduler(self, checkpoint)
+        ):
             return super()._load_optimizer_and_scheduler(checkpoint)
 
     # -- observability -----------------------------------------------------------------------------
