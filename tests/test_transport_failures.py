@@ -81,6 +81,7 @@ def _count_files(rank, world_size, directory):
     transport = make_transport(timeout_s=30, shm_dir=directory)
     for i in range(3):
         transport.register(UnitSpec(name=f"u{i}", shard_numel=4096, param_dtype=torch.float32))
+    torch.distributed.barrier()  # every rank is past its unlink (each unlinks its own file after registering)
     during = {p.name for p in Path(directory).iterdir()} - before
     transport.close()
     transport.close()  # idempotent
