@@ -1,0 +1,47 @@
+"""ODCSFTTrainer from a notebook: accelerate's notebook_launcher starts 2 CPU processes and ODC is installed.
+
+Run as a subprocess because notebook_launcher must start from a process with no distributed state."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CELL = textwrap.dedent(
+    """
+    import os, sys
+    from accelerate import notebook_launcher
+
+    def train(output_dir):
+        from trl import SFTConfig
+        from odc_hf import ODCConfig, ODCSFTTrainer
+        from odc_hf.data import default_text_dataset, default_tokenizer, tiny_qwen2_model
+
+        tok = default_tokenizer()
+        args = SFTConfig(output_dir=output_dir, max_steps=2, per_device_train_batch_size=2, report_to="none",
+                         bf16=False, max_length=256, logging_steps=1, save_strategy="no", use_cpu=True)
+        trainer = ODCSFTTrainer(model=tiny_qwen2_model(tok), args=args, train_dataset=default_text_dataset(32),
+                                processing_class=tok, odc_config=ODCConfig(max_tokens_per_microbatch=512, truncate=True))
+        trainer.train()
+        print("RESULT", trainer.accelerator.process_index, trainer.accelerator.num_processes, trainer.odc is not None,
+              flush=True)
+
+    notebook_launcher(train, args=(sys.argv[1],), num_processes=2)
+    """
+)
+
+
+@pytest.mark.slow
+def test_notebook_launcher_runs_odc_on_two_cpu_processes(tmp_path):
+    script = tmp_path / "cell.py"
+    script.write_text(CELL)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "RESULT 0 2 True" in proc.stdout and "RESULT 1 2 True" in proc.stdout, proc.stdout[-2000:]
