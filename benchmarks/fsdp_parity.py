@@ -19,12 +19,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {  # Qwen2.5 shapes (WORKLOADS.md); "tiny" for CPU smoke runs
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936),
-}  # fmt: skip
+
+def _shapes() -> dict:
+    """ "tiny" for CPU smoke runs; "1.5b" is Qwen2.5-1.5B from odc_hf.workloads (WORKLOADS.md)."""
+    from odc_hf.workloads import QWEN2_5_SHAPES
+
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512)  # fmt: skip
+    return {"tiny": tiny, "1.5b": QWEN2_5_SHAPES["1.5B"]}
+
+
 SCHEDULE = [(3, 1), (1, 3), (2, 0), (0, 2), (4, 1)]  # per-rank microbatch counts, cycled
 
 
@@ -52,7 +56,7 @@ def _run(rank, world_size, mode, args):
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    config = Qwen2Config(**SHAPES[args.model], tie_word_embeddings=True, attn_implementation="sdpa",
+    config = Qwen2Config(**_shapes()[args.model], tie_word_embeddings=True, attn_implementation="sdpa",
                          use_cache=False, max_position_embeddings=32768)  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):
@@ -134,7 +138,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=sorted(SHAPES), default="1.5b")
+    parser.add_argument("--model", choices=["1.5b", "tiny"], default="1.5b")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--min-len", type=int, default=512)
     parser.add_argument("--max-len", type=int, default=4096)

@@ -10,13 +10,11 @@ VOCAB = 256
 
 
 def tiny_qwen2(seed: int = 0, *, tie: bool = True, layers: int = 2):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=tie, attn_implementation="sdpa", use_cache=False,
-    )  # fmt: skip
+    from odc_hf.data import tiny_qwen2_config
+
+    config = tiny_qwen2_config(VOCAB, num_layers=layers, tie_word_embeddings=tie, attn_implementation="sdpa")
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
 

@@ -83,18 +83,12 @@ def one_torch_thread():
 
 
 def test_calibrate_times_a_tiny_model_on_cpu(one_torch_thread):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
+
+    from odc_hf.data import tiny_qwen2_config
 
     torch.manual_seed(0)
-    config = Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        use_cache=False,
-    )
+    config = tiny_qwen2_config(128)
     model = Qwen2ForCausalLM(config).eval()
     fitted = calibrate(model, [16, 64, 256], repeats=1)
     assert isinstance(fitted, QuadraticCostModel)

@@ -78,19 +78,12 @@ def one_torch_thread():
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_packed_logits_equal_each_document_run_alone(attn_implementation, one_torch_thread):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
+
+    from odc_hf.data import tiny_qwen2_config
 
     torch.manual_seed(0)
-    config = Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        use_cache=False,
-        attn_implementation=attn_implementation,
-    )
+    config = tiny_qwen2_config(128, attn_implementation=attn_implementation)
     model = Qwen2ForCausalLM(config).eval()
     documents = [torch.randint(0, 128, (n,)).tolist() for n in (7, 1, 12, 5)]
     (batch,) = BundleCollator(pad_token_id=0)([[{"input_ids": doc} for doc in documents]])

@@ -100,7 +100,6 @@ class ODCHandle:
         self.units: list[ODCUnit] = []
         self.minibatch = 0
         self.published = False
-        self.pushes = 0
         self.reduces_unused_params = False
         self._zero_outputs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._closed = False
@@ -148,9 +147,6 @@ class ODCHandle:
                 "call odc.publish() after optimizer.step() (or odc.attach_optimizer(optimizer))"
             )
 
-    def note_push(self, unit: ODCUnit) -> None:
-        self.pushes += 1
-
     def zero_output(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A view of one all-zero buffer (per dtype and device) shared by every unit's reduce-scatter output."""
         key = (dtype, torch.device(device))
@@ -185,7 +181,6 @@ class ODCHandle:
                                                 shape=param.size(), stride=param.stride())  # fmt: skip
         self.minibatch += 1
         self.published = False
-        self.pushes = 0
         return total
 
     @torch.no_grad()

@@ -89,5 +89,4 @@ class ODCReduceScatter(_Allocating):
                 + ("" if unit.owner.reduces_unused_params else " (torch >= 2.12 pads them with zeros for us)")
             )
         unit.transport.scatter_accumulate(unit.id, input_tensor, include_self=True)
-        unit.owner.note_push(unit)
         return None

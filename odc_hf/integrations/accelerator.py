@@ -74,10 +74,6 @@ def check_supported(accelerator: Accelerator) -> None:
         raise ValueError(f"odc_hf supports 1-D data-parallel sharding only; got {pc}")
 
 
-def odc_active(accelerator: Accelerator, config: ODCConfig) -> bool:
-    return config.enabled and accelerator.num_processes > 1
-
-
 def _reduce_in_fp32(accelerator: Accelerator) -> None:
     """Under ODC the reduce-scatter output is a shared zero buffer and gradients live in the fp32 accumulator.
 

@@ -64,7 +64,9 @@ class Transport(abc.ABC):
 
     Subclasses: :class:`odc_hf.transport.shm.ShmTransport` (CPU, POSIX shared memory) and
     :class:`odc_hf.transport.cuda.CudaTransport` (GPU, torch symmetric memory). Both have the same semantics;
-    the tests run one suite over both.
+    the tests run one suite over both. Both keep ``_units`` (objects with ``spec`` and per-rank ``staging``),
+    a ``control`` (:class:`~odc_hf.transport.control.HostControl`) and ``_closed``; the bookkeeping below
+    is shared.
     """
 
     rank: int
@@ -77,13 +79,13 @@ class Transport(abc.ABC):
     def register(self, spec: UnitSpec) -> int:
         """Collective: allocate staging and accumulator buffers for a unit; returns its id."""
 
-    @abc.abstractmethod
     def spec(self, unit: int) -> UnitSpec:
         """The spec a unit was registered with."""
+        return self._units[unit].spec
 
-    @abc.abstractmethod
     def staging(self, unit: int) -> torch.Tensor:
         """This rank's staging buffer (the shard peers will read). Write it only between barriers."""
+        return self._units[unit].staging[self.rank]
 
     @abc.abstractmethod
     def gather(self, unit: int, output: torch.Tensor) -> None:
@@ -125,13 +127,22 @@ class Transport(abc.ABC):
         self.reset_accumulator(unit)
         return total
 
-    @abc.abstractmethod
     def abort(self, reason: str) -> None:
         """Tell the peers that this rank failed, so their waits raise at once instead of timing out."""
+        if not self._closed:
+            self.control.abort(reason)
 
-    @abc.abstractmethod
     def close(self) -> None:
         """Release every buffer. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drain()
+        self._units.clear()
+        self.control.close()
+
+    def _drain(self) -> None:  # noqa: B027 - an optional hook, not an abstract one
+        """Finish pending device work before buffers go (CUDA); nothing to do on CPU."""
 
     def __enter__(self) -> Transport:
         return self

@@ -121,12 +121,6 @@ class CudaTransport(Transport):
         self._units.append(unit)
         return len(self._units) - 1
 
-    def spec(self, unit: int) -> UnitSpec:
-        return self._units[unit].spec
-
-    def staging(self, unit: int) -> torch.Tensor:
-        return self._units[unit].staging[self.rank]
-
     def gather(self, unit: int, output: torch.Tensor) -> None:
         u = self._units[unit]
         rows = check_rows(u.spec, self.world_size, output, "gather output")
@@ -151,15 +145,6 @@ class CudaTransport(Transport):
     def reset_accumulator(self, unit: int) -> None:
         self._units[unit].accumulators[self.rank].zero_()
 
-    def abort(self, reason: str) -> None:
-        if not self._closed:
-            self.control.abort(reason)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _drain(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize(self.device)
-        self._units.clear()
-        self.control.close()

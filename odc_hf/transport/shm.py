@@ -79,12 +79,6 @@ class ShmTransport(Transport):
         self._units.append(_Unit(spec, self.world_size, mappings))
         return len(self._units) - 1
 
-    def spec(self, unit: int) -> UnitSpec:
-        return self._units[unit].spec
-
-    def staging(self, unit: int) -> torch.Tensor:
-        return self._units[unit].staging[self.rank]
-
     def gather(self, unit: int, output: torch.Tensor) -> None:
         u = self._units[unit]
         rows = check_rows(u.spec, self.world_size, output, "gather output")
@@ -119,14 +113,3 @@ class ShmTransport(Transport):
     def reset_accumulator(self, unit: int) -> None:
         self._units[unit].slots[self.rank].zero_()
         self._units[unit].summed = False
-
-    def abort(self, reason: str) -> None:
-        if not self._closed:
-            self.control.abort(reason)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._units.clear()
-        self.control.close()
