@@ -1,0 +1,58 @@
+"""sdpa_varlen: per-document attention on packed rows equals separate forwards and transformers' masked sdpa."""
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from odc_hf.attention import VARLEN_ATTENTION, document_bounds
+from odc_hf.data import tiny_qwen2_config
+
+
+def _model(attn: str) -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = tiny_qwen2_config(97)
+    return Qwen2ForCausalLM._from_config(config, attn_implementation=attn, torch_dtype=torch.float32).eval()
+
+
+def _packed(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    docs = [{"input_ids": torch.randint(1, 97, (n,), generator=g).tolist()} for n in lengths]
+    return docs, DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(docs)
+
+
+@pytest.mark.parametrize("lengths", [[5], [3, 9, 1, 6], [1, 2, 1], [17, 4]])
+def test_packed_row_equals_separate_documents_and_masked_sdpa(lengths):
+    varlen, masked = _model(VARLEN_ATTENTION), _model("sdpa")
+    masked.load_state_dict(varlen.state_dict())
+    docs, batch = _packed(lengths)
+    out = varlen(**batch)
+    ref = masked(**batch)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    start = 0
+    for doc in docs:
+        ids = torch.tensor([doc["input_ids"]])
+        alone = varlen(input_ids=ids).logits
+        torch.testing.assert_close(out.logits[:, start : start + ids.shape[1]], alone, rtol=1e-5, atol=1e-5)
+        start += ids.shape[1]
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(varlen.named_parameters(), masked.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_generation_falls_back_to_sdpa():
+    varlen, plain = _model(VARLEN_ATTENTION), _model("sdpa")
+    plain.load_state_dict(varlen.state_dict())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    a = varlen.generate(ids, max_new_tokens=5, do_sample=False)
+    b = plain.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(a, b)
+
+
+def test_bad_boundaries_are_an_error():
+    with pytest.raises(ValueError, match="does not describe"):
+        document_bounds(torch.tensor([0, 3, 9]), 7)
+    assert document_bounds(None, 4) == [(0, 4)]
+    assert document_bounds(torch.tensor([0, 0, 2, 4]), 4) == [(0, 2), (2, 4)]
