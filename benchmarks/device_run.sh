@@ -2,6 +2,8 @@
 # GPU checks run on the device machine (2 GPUs). Usage: bash benchmarks/device_run.sh A|B  (writes under $OUT)
 #   A: FSDP-adapter GPU tests, 1.5B ODC-vs-FSDP2 parity, the tiny main job on GPUs
 #   B: the main job with a 1.5B Qwen2 shape on LongAlign-like lengths, ODC+LB-Mini then FSDP2+LB-Micro
+#   E: benchmarks/sft_e2e.py part 1 (LongAlign-like at 4/2/8 samples per rank, balanced)
+#   F: benchmarks/sft_e2e.py part 2 (SWE-smith-like, Tulu-like), then benchmarks/grpo_e2e.py
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 OUT=${OUT:-/tmp/out}
@@ -29,4 +31,14 @@ if [ "$1" = B ]; then
   done
   cp /tmp/sft15_on/odc_timeline.png "$OUT/odc_timeline_1.5b_longalign.png" 2>/dev/null
   tail -c 20000 /tmp/sft15_on.log > "$OUT/sft15_on.log"
+fi
+if [ "$1" = E ]; then
+  timeout 560 python3 benchmarks/sft_e2e.py --configs longalign:4,balanced:4,longalign:2,longalign:8 \
+    --time-budget 480 --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_part1.log" | grep -v "^|" | tail -30
+fi
+if [ "$1" = F ]; then
+  timeout 330 python3 benchmarks/sft_e2e.py --configs swe_smith:4,tulu:4,swe_smith:2,tulu:2,tulu:8,swe_smith:8 \
+    --time-budget 280 --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_part2.log" | grep -v "^|" | tail -20
+  mkdir -p "$OUT/grpo"
+  timeout 250 python3 benchmarks/grpo_e2e.py --out "$OUT/grpo" 2>&1 | tee "$OUT/grpo/grpo_e2e.log" | tail -30
 fi

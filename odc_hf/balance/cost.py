@@ -30,7 +30,7 @@ from itertools import combinations
 
 import numpy as np
 
-__all__ = ["CostModel", "FlopCostModel", "QuadraticCostModel", "TokenCostModel", "calibrate"]
+__all__ = ["CostModel", "FlopCostModel", "QuadraticCostModel", "TokenCostModel", "calibrate", "time_lengths"]
 
 
 def as_lengths(lengths: Sequence[int] | np.ndarray, *, name: str = "lengths") -> np.ndarray:
@@ -203,8 +203,8 @@ class QuadraticCostModel(CostModel):
         return f"calibrated model {self.a:.4g} + {self.b:.4g}·s + {self.c:.4g}·s² per microbatch (seconds)"
 
 
-def calibrate(model, lengths: Sequence[int], *, repeats: int = 3, device=None) -> QuadraticCostModel:
-    """Time forward+backward of ``model`` on one random sequence per length; fit ``a + b·s + c·s²``.
+def time_lengths(model, lengths: Sequence[int], *, repeats: int = 3, device=None) -> list[float]:
+    """Median seconds of forward+backward of ``model`` on one random sequence per length.
 
     Each length is run once to warm up, then ``repeats`` times; the median is kept (robust to the
     occasional allocator or clock hiccup). Gradients are cleared after each run. ``device`` defaults to
@@ -244,4 +244,10 @@ def calibrate(model, lengths: Sequence[int], *, repeats: int = 3, device=None) -
             medians.append(statistics.median(run_once(ids) for _ in range(repeats)))
     finally:
         model.train(was_training)
-    return QuadraticCostModel.fit(lengths, medians)
+    return medians
+
+
+def calibrate(model, lengths: Sequence[int], *, repeats: int = 3, device=None) -> QuadraticCostModel:
+    """Time forward+backward of ``model`` at each length (:func:`time_lengths`); fit ``a + b·s + c·s²``."""
+    seconds = time_lengths(model, lengths, repeats=repeats, device=device)
+    return QuadraticCostModel.fit([int(s) for s in lengths], seconds)

@@ -1,0 +1,805 @@
+"""End-to-end SFT steps on the same samples: TRL-default packing, FSDP2 + LB-Micro, ODC + LB-Micro, ODC + LB-Mini.
+
+Variants (WORKLOADS.md definitions; every variant trains the same samples in the same order):
+
+- **A** what users run today: TRL's own packing (``trl.pack_dataset``, best-fit decreasing into rows of the token
+  budget), rows dealt round-robin over ranks like ``DistributedSampler``, one row per microbatch, FSDP2 collectives
+  (ranks with fewer rows run an empty dummy microbatch, as gradient accumulation needs equal counts);
+- **B** FSDP2 collectives + LB-Micro (equal microbatch counts, cost-balanced per microbatch index);
+- **C** ODC + LB-Micro (same plan as B: isolates the communication change);
+- **D** ODC + LB-Mini (the product);
+- **bound**: Σ single-GPU fwd+bwd time of the minibatch's samples / ranks + optimizer time, from a cost model
+  ``a + b·s + c·s²`` fitted to single-GPU timings of an unsharded copy (measured at the start of the run).
+
+One process group holds two models: one with FSDP2 collectives (A, B) and one with ODC (C, D); steps are
+interleaved (the variant order rotates every step). Qwen2.5-shaped model from a config (random init), bf16
+compute with fp32 master weights and fp32 gradient reduction, AdamW, activation checkpointing, gradient clipping
+at 1.0, ``attn_implementation="sdpa_varlen"`` (per-document causal SDPA on packed rows, :mod:`odc_hf.attention`).
+The loss is HF's causal-LM loss summed and divided by the global label-token count.
+
+Busy time of a rank is measured with CUDA events from the step start to the end of its last backward. ODC ranks
+never wait inside a minibatch, so that is their compute; under FSDP2 waits hide inside the collectives, so B's
+per-rank busy time is taken from C, which runs exactly B's microbatches. Peak memory of a variant is its model's
+static state (parameters, optimizer state, ODC buffers) plus the largest transient allocation during its steps.
+
+    python benchmarks/sft_e2e.py --out benchmarks/results                  # all GPUs of the host
+    python benchmarks/sft_e2e.py --model tiny --world-size 2 --steps 2 --warmup 1 --workloads longalign \
+        --minibatch 2 --max-tokens 256                                      # CPU smoke run (gloo + shared memory)
+    python benchmarks/sft_e2e.py --report-only results.json                # re-render report and plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+VARIANTS = ("A", "B", "C", "D")
+DESCRIPTIONS = {
+    "A": "FSDP2 + TRL packing (bfd) + round-robin rows",
+    "B": "FSDP2 + LB-Micro",
+    "C": "ODC + LB-Micro",
+    "D": "ODC + LB-Mini",
+}
+H200_PEAK_TFLOPS = 989.0
+SIM_WORLD_SIZES = (2, 8, 16, 32, 64)
+
+
+def _tiny_shape() -> dict:
+    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=512)  # fmt: skip
+
+
+def _config(args):
+    from transformers import Qwen2Config
+
+    from odc_hf.attention import VARLEN_ATTENTION
+    from odc_hf.workloads import QWEN2_5_SHAPES
+
+    shape = _tiny_shape() if args.model == "tiny" else QWEN2_5_SHAPES[args.model]
+    config = Qwen2Config(**shape, tie_word_embeddings=True, use_cache=False,
+                         max_position_embeddings=max(32768, args.max_tokens))  # fmt: skip
+    config._attn_implementation = VARLEN_ATTENTION
+    return config
+
+
+# -- the workload ---------------------------------------------------------------------------------------
+def step_lengths(args, workload: str, per_rank: int, world_size: int, num_steps: int):
+    """Per step, the lengths of the global minibatch (same for every variant)."""
+    import numpy as np
+
+    from odc_hf.workloads import generate_lengths
+
+    size = world_size * per_rank
+    if workload == "balanced":
+        flat = np.full(size * num_steps, args.balanced_length, dtype=np.int64)
+    else:
+        flat = generate_lengths(workload, size * num_steps, args.seed, max_length=args.max_tokens)
+    return [flat[i * size : (i + 1) * size].astype(np.int64) for i in range(num_steps)]
+
+
+def sample_ids(seed: int, step: int, index: int, length: int, vocab: int) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 10_007 + index)
+    return torch.randint(1, vocab, (int(length),), generator=g).tolist()
+
+
+def trl_rows(lengths, budget: int) -> list[list[int]]:
+    """Which samples TRL's best-fit-decreasing packing puts in each row (``trl.pack_dataset``)."""
+    from datasets import Dataset
+    from trl import pack_dataset
+
+    ds = Dataset.from_dict({"input_ids": [[i] * int(n) for i, n in enumerate(lengths)]})
+    packed = pack_dataset(ds, seq_length=budget, strategy="bfd")
+    rows = []
+    for row in packed["input_ids"]:
+        members = list(dict.fromkeys(row))  # the samples in order of appearance
+        rows.append(members)
+    if sorted(i for r in rows for i in r) != list(range(len(lengths))):
+        raise RuntimeError("TRL packing dropped or split samples; lengths must fit the budget")
+    return rows
+
+
+def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants) -> dict:
+    """Per variant, each rank's microbatches (lists of positions in ``lengths``) and the Plan when there is one."""
+    from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
+
+    out = {}
+    micro = plan_lb_micro(lengths, world_size, budget, cost_model, truncate=True)
+    mini = plan_lb_mini(lengths, world_size, budget, cost_model, truncate=True)
+    for v in variants:
+        if v in ("B", "C"):
+            out[v] = (micro.microbatches, micro)
+        elif v == "D":
+            out[v] = (mini.microbatches, mini)
+        elif v == "A":
+            rows = trl_rows(lengths, budget)
+            dealt = [rows[r::world_size] for r in range(world_size)]
+            width = max(len(d) for d in dealt)
+            out[v] = ([d + [[] for _ in range(width - len(d))] for d in dealt], None)
+    return out
+
+
+# -- one rank ---------------------------------------------------------------------------------------------
+class _Clock:
+    """CUDA events on GPUs (device time, no host sync inside a step), perf_counter on CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def mark(self):
+        import torch
+
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+def _static_bytes(model, optimizer, odc) -> int:
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    for state in optimizer.state.values():
+        for value in state.values():
+            if hasattr(value, "to_local"):
+                value = value.to_local()
+            if hasattr(value, "numel"):
+                total += value.numel() * value.element_size()
+    if odc is not None:
+        total += sum(u.spec.shard_numel * (u.spec.param_dtype.itemsize + 4) for u in odc.units)
+    return total
+
+
+def _calibrate(rank, world_size, args, device, config):
+    """Fit a + b·s + c·s² to single-GPU fwd+bwd timings of an unsharded bf16 copy (grid split over ranks)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import Qwen2ForCausalLM
+
+    from odc_hf.balance.cost import QuadraticCostModel, time_lengths
+
+    grid = sorted({min(s, args.max_tokens) for s in args.calibration_lengths})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    if device.type == "cuda":
+        model = model.to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mine = grid[rank::world_size]
+    medians = time_lengths(model, mine, repeats=args.calibration_repeats) if mine else []
+    timings = list(zip(mine, medians))
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, timings)
+    points = sorted(p for part in gathered for p in part)
+    fitted = QuadraticCostModel.fit([p[0] for p in points], [p[1] for p in points])
+    return fitted, points
+
+
+def _build(kind: str, config, device, args):
+    import torch
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+    from transformers import Qwen2ForCausalLM
+
+    from odc_hf.fsdp import install_odc, shard_model
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda"
+        else None
+    )
+    shard_model(model, mp_policy=mp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    odc = None
+    if kind == "odc":
+        odc = install_odc(model, timeout_s=args.timeout)
+        odc.attach_optimizer(optimizer)
+    else:  # same loss semantics as ODC: gradients summed over ranks, the loss carries the global normaliser
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+    return model, optimizer, odc
+
+
+def _run_step(model, optimizer, odc, microbatches, global_labels, device, clock) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    cuda = device.type == "cuda"
+    batches = []
+    for mb in microbatches:
+        batches.append(
+            {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items() if k != "num_label_tokens"}
+        )
+    if cuda:
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    start = clock.mark()
+    ends = []
+    for batch in batches:
+        out = model(**batch, num_items_in_batch=global_labels)
+        out.loss.backward()
+        ends.append(clock.mark())
+        del out
+    if odc is not None:
+        odc.finish_minibatch()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt_start = clock.mark()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    opt_end = clock.mark()
+    if cuda:
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    ends_s = [clock.seconds(start, e) for e in ends]
+    return {
+        "wall_s": wall,
+        "mb_end_s": ends_s,
+        "busy_s": ends_s[-1] if ends_s else 0.0,
+        "opt_s": clock.seconds(opt_start, opt_end),
+        "transient_bytes": (torch.cuda.max_memory_allocated(device) - base) if cuda else 0,
+    }
+
+
+def _configs(args) -> list[tuple[str, int]]:
+    if args.configs:
+        out = []
+        for item in args.configs.split(","):
+            workload, per_rank = item.split(":")
+            out.append((workload, int(per_rank)))
+        return out
+    return [(w, m) for w in args.workloads.split(",") for m in args.minibatch]
+
+
+def _variants_for(args, workload: str, per_rank: int) -> list[str]:
+    full = per_rank in args.all_variants_at
+    return [v for v in args.variants.split(",") if v in ("B", "D") or full]
+
+
+def _run(rank, world_size, args):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks import report
+    from odc_hf.balance import BundleCollator
+    from odc_hf.balance.cost import FlopCostModel
+
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    clock = _Clock(cuda)
+    config = _config(args)
+    began = time.monotonic()
+    env = report.environment() if rank == 0 else None
+    cost_model, points = _calibrate(rank, world_size, args, device, config)
+    flops = FlopCostModel.from_config(config)
+    budget = args.max_tokens
+    collator = BundleCollator(max_tokens_per_microbatch=budget, truncate=True, pad_token_id=0)
+    models = {kind: _build(kind, config, device, args) for kind in ("fsdp", "odc")}
+    model_of = {"A": "fsdp", "B": "fsdp", "C": "odc", "D": "odc"}
+    payload = {
+        "env": env,
+        "args": vars(args),
+        "world_size": world_size,
+        "model_config": config.to_dict() if rank == 0 else None,
+        "calibration": {
+            "points": points,
+            "a": cost_model.a,
+            "b": cost_model.b,
+            "c": cost_model.c,
+            "describe": cost_model.describe(),
+        },  # fmt: skip
+        "configs": [],
+        "skipped": [],
+    }
+
+    # one warm-up step per model on a short batch: NCCL communicators, Triton JIT of the ODC kernels
+    warm = collator([[{"input_ids": list(range(1, 65))}]])
+    for model, optimizer, odc in models.values():
+        _run_step(model, optimizer, odc, warm, 63 * world_size, device, clock)
+
+    for workload, per_rank in _configs(args):
+        variants = _variants_for(args, workload, per_rank)
+        num_steps = args.warmup + args.steps
+        lengths = step_lengths(args, workload, per_rank, world_size, num_steps)
+        plans = [plans_for_step(ls, world_size, budget, cost_model, variants) for ls in lengths]
+        estimate = sum(
+            _predicted(p, v, ls, cost_model, world_size)[0] for p, ls in zip(plans, lengths) for v in variants
+        )
+        go = torch.tensor([1.0 if time.monotonic() - began + 1.3 * estimate + 20 < args.time_budget else 0.0],
+                          device=device)  # fmt: skip
+        dist.broadcast(go, 0)
+        if go.item() == 0.0:
+            payload["skipped"].append({"workload": workload, "per_rank": per_rank, "estimated_s": estimate})
+            continue
+        records = []
+        for step, (ls, plan) in enumerate(zip(lengths, plans)):
+            cache: dict[int, list[int]] = {}
+
+            def example(i, step=step, ls=ls, cache=cache):
+                if i not in cache:
+                    cache[i] = sample_ids(args.seed, step, i, min(int(ls[i]), budget), config.vocab_size)
+                return {"input_ids": cache[i]}
+
+            global_labels = int(sum(min(int(n), budget) - 1 for n in ls))
+            order = variants[step % len(variants) :] + variants[: step % len(variants)]
+            for v in order:
+                mine = plan[v][0][rank]
+                microbatches = collator([[example(i) for i in mb] for mb in mine])
+                model, optimizer, odc = models[model_of[v]]
+                rec = _run_step(model, optimizer, odc, microbatches, global_labels, device, clock)
+                rec.update(
+                    variant=v,
+                    step=step,
+                    rank=rank,
+                    mb_tokens=[sum(min(int(ls[i]), budget) for i in mb) for mb in mine],
+                )
+                records.append(rec)
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, records)
+        if rank == 0:
+            summary = {
+                "workload": workload, "per_rank": per_rank, "variants": variants, "warmup": args.warmup,
+                "lengths": [ls.tolist() for ls in lengths],
+                "tokens": [int(np.minimum(ls, budget).sum()) for ls in lengths],
+                "flops": [float(flops.doc_costs(np.minimum(ls, budget)).sum()) for ls in lengths],
+                "single_gpu_s": [float(cost_model.doc_costs(np.minimum(ls, budget)).sum()
+                                       + cost_model.a * ls.size) for ls in lengths],
+                "predicted": {v: [_predicted(p, v, ls, cost_model, world_size) for p, ls in zip(plans, lengths)]
+                              for v in variants},
+                "records": [r for part in gathered for r in part],
+            }  # fmt: skip
+            payload["configs"].append(summary)
+        static = {}
+        for kind, (model, optimizer, odc) in models.items():
+            value = torch.tensor([float(_static_bytes(model, optimizer, odc))], device=device)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            static[kind] = float(value.item())
+        payload["static_bytes"] = static
+        payload["elapsed_s"] = time.monotonic() - began
+        if rank == 0:
+            _write(payload, args.out, final=False)
+    for _, _, odc in models.values():
+        if odc is not None:
+            odc.close()
+    if rank == 0:
+        _write(payload, args.out, final=True)
+    return payload if rank == 0 else None
+
+
+def _predicted(plan_entry: dict, variant: str, lengths, cost_model, world_size: int) -> tuple[float, float]:
+    """(predicted step compute seconds, predicted bubble) of one variant's plan under its semantics."""
+    import numpy as np
+
+    microbatches, plan = plan_entry[variant]
+    if plan is not None:
+        semantics = "fsdp" if variant in ("A", "B") else "odc"
+        return plan.predicted_time(semantics), plan.predicted_bubble(semantics)
+    eff = np.asarray(lengths)
+    costs = np.zeros((world_size, max(len(m) for m in microbatches)))
+    for r, mbs in enumerate(microbatches):
+        for j, mb in enumerate(mbs):
+            if mb:
+                costs[r, j] = cost_model.a + float(cost_model.doc_costs(eff[mb]).sum())
+    step = float(costs.max(axis=0).sum())
+    return step, (0.0 if step <= 0 else float(1 - costs.sum(axis=1).mean() / step))
+
+
+# -- analysis and report ----------------------------------------------------------------------------------
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def analyse(payload: dict) -> list[dict]:
+    """Per config and variant: step-time statistics, tokens/s/GPU, efficiency, MFU, bubbles, memory, ratios."""
+    W = payload["world_size"]
+    static = payload.get("static_bytes", {})
+    out = []
+    for cfg in payload["configs"]:
+        warm, n = cfg["warmup"], len(cfg["lengths"])
+        measured = list(range(warm, n))
+        by = {}
+        for r in cfg["records"]:
+            by.setdefault((r["variant"], r["step"]), []).append(r)
+        step = {v: {s: max(r["wall_s"] for r in by[v, s]) for s in measured} for v in cfg["variants"]}
+        busy = {v: {s: [r["busy_s"] for r in sorted(by[v, s], key=lambda r: r["rank"])] for s in measured}
+                for v in cfg["variants"]}  # fmt: skip
+        opt = {v: _median(max(r["opt_s"] for r in by[v, s]) for s in measured) for v in cfg["variants"]}
+        opt_ref = opt.get("D", next(iter(opt.values())))
+        bound = {s: cfg["single_gpu_s"][s] / W + opt_ref for s in measured}
+        rows = {}
+        for v in cfg["variants"]:
+            times = [step[v][s] for s in measured]
+            pred = [cfg["predicted"][v][s][0] + opt_ref for s in measured]
+            own_busy = busy["C"] if v == "B" and "C" in busy else (busy[v] if v in ("C", "D") else None)
+            bubble = None
+            if own_busy is not None:
+                bubble = _median(1 - statistics.mean(own_busy[s]) / step[v][s] for s in measured)
+            kind = "fsdp" if v in ("A", "B") else "odc"
+            transient = max(
+                r["transient_bytes"] for r in cfg["records"] if r["variant"] == v and r["step"] >= warm
+            )
+            rows[v] = {
+                "step_s_median": statistics.median(times),
+                "step_s_min": min(times),
+                "step_s_max": max(times),
+                "step_s_iqr": _iqr(times),
+                "tokens_per_s_per_gpu": statistics.median(cfg["tokens"][s] / step[v][s] for s in measured)
+                / W,
+                "efficiency": statistics.median(bound[s] / step[v][s] for s in measured),
+                "mfu": statistics.median(
+                    cfg["flops"][s] / (step[v][s] * W * H200_PEAK_TFLOPS * 1e12) for s in measured
+                ),  # fmt: skip
+                "bubble_measured": bubble,
+                "bubble_predicted": statistics.median(cfg["predicted"][v][s][1] for s in measured),
+                "predicted_step_s": statistics.median(pred),
+                "optimizer_s": opt[v],
+                "peak_memory_GiB": (static.get(kind, 0.0) + transient) / 2**30,
+                "microbatches": [
+                    [len(r["mb_end_s"]) for r in sorted(by[v, s], key=lambda r: r["rank"])] for s in measured
+                ],  # fmt: skip
+            }
+        ratios = {}
+        for base, cand in (("B", "D"), ("B", "C"), ("C", "D"), ("A", "B"), ("A", "D")):
+            if base in rows and cand in rows:
+                measured_ratio = statistics.median(step[base][s] / step[cand][s] for s in measured)
+                predicted = sum(cfg["predicted"][base][s][0] + opt_ref for s in measured) / sum(
+                    cfg["predicted"][cand][s][0] + opt_ref for s in measured
+                )
+                ratios[f"{cand}_vs_{base}"] = {"measured": measured_ratio, "predicted": predicted}
+        out.append({"workload": cfg["workload"], "per_rank": cfg["per_rank"], "steps": len(measured),
+                    "mean_tokens": statistics.mean(t / len(ls) for t, ls in zip(cfg["tokens"], cfg["lengths"])),
+                    "bound_s_median": statistics.median(bound.values()), "variants": rows, "ratios": ratios})  # fmt: skip
+    return out
+
+
+def _iqr(values):
+    q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3
+    return [q[0], q[2]]
+
+
+def simulate_scaling(payload: dict, workload: str, per_rank: int, num_minibatches: int = 16) -> dict:
+    """Calibrated-simulator D-vs-B ratio (compute + optimizer time) at the SIM_WORLD_SIZES, for one config."""
+    from odc_hf.balance.cost import QuadraticCostModel
+    from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
+    from odc_hf.workloads import generate_lengths
+
+    cal = payload["calibration"]
+    cost_model = QuadraticCostModel(a=cal["a"], b=cal["b"], c=cal["c"])
+    args = payload["args"]
+    budget = args["max_tokens"]
+    opt = 0.0
+    for cfg in analyse(payload):
+        if cfg["workload"] == workload and cfg["per_rank"] == per_rank and "D" in cfg["variants"]:
+            opt = cfg["variants"]["D"]["optimizer_s"] or 0.0
+    out = {}
+    for W in SIM_WORLD_SIZES:
+        size = W * per_rank
+        lengths = generate_lengths(workload, size * num_minibatches, args["seed"] + 1, max_length=budget)
+        fsdp = odc = 0.0
+        for m in range(num_minibatches):
+            batch = lengths[m * size : (m + 1) * size]
+            fsdp += plan_lb_micro(batch, W, budget, cost_model, truncate=True).predicted_fsdp_time + opt
+            odc += plan_lb_mini(batch, W, budget, cost_model, truncate=True).predicted_odc_time + opt
+        out[W] = fsdp / odc
+    return out
+
+
+def _fmt(value, spec=".3f"):
+    return "—" if value is None else format(value, spec)
+
+
+def render(payload: dict, out_dir) -> str:
+    from benchmarks import report
+
+    env, W = payload["env"], payload["world_size"]
+    results = analyse(payload)
+    cal = payload["calibration"]
+    lines = [
+        f"# End-to-end SFT steps: {payload['args']['model']} Qwen2.5 shape on {W} ranks\n",
+        report.env_markdown(env),
+        f"- model: Qwen2.5-{payload['args']['model']} shape from a config (random init), tied embeddings, bf16 compute, "
+        "fp32 master weights and gradient reduction, AdamW, activation checkpointing, clip 1.0, "
+        '`attn_implementation="sdpa_varlen"` (per-document causal SDPA on packed rows)',
+        f"- token budget per microbatch {payload['args']['max_tokens']}; lengths clipped to it; workload seed "
+        f"{payload['args']['seed']}; warm-up steps excluded; variants interleaved (order rotates each step)",
+        f"- cost model (single-GPU fwd+bwd of an unsharded bf16 copy, fitted): {cal['describe']}; points "
+        + ", ".join(f"{s}: {t * 1e3:.1f} ms" for s, t in cal["points"]),
+        "- bound = Σ single-GPU time of the minibatch's samples (fitted model, a per sample) / ranks + the optimizer "
+        "time of D; efficiency = bound / step time. MFU: causal-halved FLOPs 6·N·s + 6·L·d·s² per sample / "
+        f"(step time × ranks × {H200_PEAK_TFLOPS:.0f} TFLOP/s dense bf16 peak), recomputation not counted.",
+        "- bubble measured: 1 − mean busy / step, busy = step start to the rank's last backward (CUDA events); "
+        "B's busy is C's (same microbatches; FSDP2 hides waits inside its collectives). Predicted: the plan under the "
+        "calibrated model.",
+        "- peak memory: the model's static state (sharded fp32 params, AdamW state, ODC buffers) + the largest "
+        "transient allocation during the variant's steps, worst rank.\n",
+        "Variants: " + "; ".join(f"**{k}** {d}" for k, d in DESCRIPTIONS.items()) + "\n",
+    ]
+    for cfg in results:
+        lines.append(f"## {cfg['workload']}, {cfg['per_rank']} samples per rank "
+                     f"(mean {cfg['mean_tokens']:.0f} tokens/sample, {cfg['steps']} measured steps, "
+                     f"bound {cfg['bound_s_median']:.3f} s)\n")  # fmt: skip
+        lines.append("| variant | step s median [min, max] | tokens/s/GPU | efficiency | MFU | bubble meas. | "
+                     "bubble pred. | pred. step s | optimizer s | peak GiB | microbatches/rank (first steps) |")  # fmt: skip
+        lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+        for v, row in cfg["variants"].items():
+            lines.append(
+                f"| {v} | {row['step_s_median']:.3f} [{row['step_s_min']:.3f}, {row['step_s_max']:.3f}] | "
+                f"{row['tokens_per_s_per_gpu']:.0f} | {row['efficiency']:.3f} | {row['mfu']:.3f} | "
+                f"{_fmt(row['bubble_measured'])} | {row['bubble_predicted']:.3f} | {row['predicted_step_s']:.3f} | "
+                f"{_fmt(row['optimizer_s'])} | {row['peak_memory_GiB']:.2f} | {row['microbatches'][:3]} |"
+            )
+        if cfg["ratios"]:
+            lines.append(
+                "\n| speedup (median of per-step ratios) | measured | calibrated prediction |\n|---|---:|---:|"
+            )
+            for name, r in cfg["ratios"].items():
+                lines.append(
+                    f"| {name.replace('_vs_', ' vs ')} | {r['measured']:.3f} | {r['predicted']:.3f} |"
+                )
+        lines.append("")
+    if payload.get("skipped"):
+        lines.append(
+            "Not run (time budget): "
+            + ", ".join(f"{s['workload']}:{s['per_rank']}" for s in payload["skipped"])
+            + "\n"
+        )
+    lines.append("## Calibrated simulator: D vs B (compute + measured optimizer time) by world size\n")
+    lines.append(
+        "| workload | per rank | " + " | ".join(f"{w} GPUs" for w in SIM_WORLD_SIZES) + " | measured here |"
+    )
+    lines.append("|---|---:|" + "---:|" * (len(SIM_WORLD_SIZES) + 1))
+    sims = {}
+    for cfg in results:
+        if cfg["workload"] == "balanced" or "D_vs_B" not in cfg["ratios"]:
+            continue
+        sim = simulate_scaling(payload, cfg["workload"], cfg["per_rank"])
+        sims[f"{cfg['workload']}:{cfg['per_rank']}"] = sim
+        lines.append(f"| {cfg['workload']} | {cfg['per_rank']} | " + " | ".join(f"{sim[w]:.3f}" for w in SIM_WORLD_SIZES)
+                     + f" | {cfg['ratios']['D_vs_B']['measured']:.3f} ({W} GPUs) |")  # fmt: skip
+    lines.append("\nThe 2-GPU column uses fresh samples from the same generator; the per-config tables above give the "
+                 "prediction for the exact measured samples.\n")  # fmt: skip
+    stem = f"sft_e2e_{report.hardware_tag(env)}_{env['date'][:10]}"
+    images = []
+    try:
+        images = _plots(payload, results, Path(out_dir), stem)
+    except Exception as err:  # noqa: BLE001 - never lose the numbers to a plotting problem
+        lines.append(f"(plots failed: {type(err).__name__}: {err})")
+    for image in images:
+        lines.append(f"![{image.stem}]({image.name})")
+    md = "\n".join(lines) + "\n"
+    payload_out = {**payload, "analysis": results, "simulator": sims}
+    report.write(out_dir, stem, payload_out, md)
+    return md
+
+
+def _plots(payload, results, out: Path, stem: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(results)), 4))
+    width = 0.8 / len(VARIANTS)
+    for k, v in enumerate(VARIANTS):
+        xs = [i + (k - 1.5) * width for i, cfg in enumerate(results) if v in cfg["variants"]]
+        ys = [cfg["variants"][v]["tokens_per_s_per_gpu"] for cfg in results if v in cfg["variants"]]
+        ax.bar(xs, ys, width, label=f"{v}: {DESCRIPTIONS[v]}")
+    for i, cfg in enumerate(results):
+        cfg_payload = payload["configs"][i]
+        warm = cfg_payload["warmup"]
+        tok = statistics.median(cfg_payload["tokens"][warm:]) / cfg["bound_s_median"] / payload["world_size"]
+        ax.plot([i - 0.45, i + 0.45], [tok, tok], "k--", lw=1, label="bound" if i == 0 else None)
+    ax.set_xticks(range(len(results)), [f"{c['workload']}\n{c['per_rank']}/rank" for c in results])
+    ax.set_ylabel("tokens / s / GPU")
+    ax.set_title(f"SFT step throughput, {payload['world_size']} ranks")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / f"{stem}_throughput.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    paths.append(path)
+    timeline = _timeline(payload, out, stem, plt)
+    if timeline is not None:
+        paths.append(timeline)
+    return paths
+
+
+def _timeline(payload, out: Path, stem: str, plt):
+    """Per-rank busy/idle of B and D in one representative step (the step with D's median time)."""
+    cfg = next(
+        (c for c in payload["configs"] if {"B", "D"} <= set(c["variants"]) and c["workload"] != "balanced"),
+        None,
+    )
+    if cfg is None:
+        return None
+    W, warm = payload["world_size"], cfg["warmup"]
+    by = {(r["variant"], r["step"], r["rank"]): r for r in cfg["records"]}
+    measured = list(range(warm, len(cfg["lengths"])))
+    d_times = sorted(measured, key=lambda s: max(by["D", s, r]["wall_s"] for r in range(W)))
+    s = d_times[len(d_times) // 2]
+    fig, axes = plt.subplots(2, 1, figsize=(10, 1.2 + 0.9 * W), sharex=True)
+    for ax, v in zip(axes, ("B", "D")):
+        step_time = max(by[v, s, r]["wall_s"] for r in range(W))
+        for r in range(W):
+            rec = by[v, s, r]
+            ends = [0.0] + rec["mb_end_s"]
+            comp = None
+            if v == "B" and ("C", s, r) in by:  # B runs C's microbatches: C's durations are the compute
+                c_ends = [0.0] + by["C", s, r]["mb_end_s"]
+                comp = [b - a for a, b in zip(c_ends, c_ends[1:])]
+            for j, (a, b) in enumerate(zip(ends, ends[1:])):
+                busy = min(b - a, comp[j]) if comp is not None else b - a
+                ax.barh(r, busy, left=a, color=f"C{j % 10}", edgecolor="k", lw=0.5)
+                if b - a > busy:
+                    ax.barh(
+                        r,
+                        b - a - busy,
+                        left=a + busy,
+                        color="lightgrey",
+                        hatch="//",
+                        edgecolor="grey",
+                        lw=0.5,
+                    )
+                ax.text(
+                    a + busy / 2, r, _tokens_label(rec["mb_tokens"][j]), ha="center", va="center", fontsize=7
+                )
+            if step_time > ends[-1]:
+                ax.barh(
+                    r,
+                    step_time - ends[-1],
+                    left=ends[-1],
+                    color="white",
+                    hatch="..",
+                    edgecolor="grey",
+                    lw=0.5,
+                )
+        ax.set_yticks(range(W), [f"rank {r}" for r in range(W)])
+        ax.set_title(f"{v}: {DESCRIPTIONS[v]} — step {step_time:.2f} s", fontsize=9)
+    axes[-1].set_xlabel(
+        "seconds since step start (coloured: microbatch compute, hatched: waiting, incl. optimizer)"
+    )
+    fig.suptitle(f"{cfg['workload']}, {cfg['per_rank']} samples/rank, step {s}", fontsize=10)
+    fig.tight_layout()
+    path = out / f"{stem}_timeline.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _tokens_label(tokens: int) -> str:
+    return f"{tokens / 1000:.1f}k" if tokens >= 1000 else str(tokens)
+
+
+def merge(payloads: list[dict]) -> dict:
+    """One payload from several runs of the same setup (configs appended; the first run's calibration and env)."""
+    merged = {**payloads[0], "configs": [], "skipped": []}
+    done = set()
+    for p in payloads:
+        if p["world_size"] != merged["world_size"] or p["args"]["model"] != merged["args"]["model"]:
+            raise ValueError("can only merge runs with the same model and world size")
+        merged["configs"] += p["configs"]
+        done |= {(c["workload"], c["per_rank"]) for c in p["configs"]}
+        merged["skipped"] += p.get("skipped", [])
+    merged["skipped"] = [s for s in merged["skipped"] if (s["workload"], s["per_rank"]) not in done]
+    merged["runs"] = [{"env": p["env"], "calibration": p["calibration"], "configs": [
+        f"{c['workload']}:{c['per_rank']}" for c in p["configs"]]} for p in payloads]  # fmt: skip
+    return merged
+
+
+def _write(payload: dict, out_dir, *, final: bool) -> None:
+    from benchmarks import report
+
+    stem = f"sft_e2e_{report.hardware_tag(payload['env'])}_{payload['env']['date'][:10]}"
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"{stem}.raw.json").write_text(json.dumps(payload, default=str))
+    if payload["configs"]:
+        try:
+            render(payload, out_dir)
+        except Exception as err:  # noqa: BLE001 - the raw JSON is already safe
+            print(f"report rendering failed: {type(err).__name__}: {err}", file=sys.stderr)
+            if final:
+                raise
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="1.5B", help="tiny, or a Qwen2.5 size from odc_hf.workloads (1.5B, 7B, ...)"
+    )
+    parser.add_argument("--workloads", default="longalign,balanced,swe_smith,tulu")
+    parser.add_argument(
+        "--minibatch",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[4, 2, 8],
+        help="samples per rank per step (comma list)",
+    )
+    parser.add_argument(
+        "--configs", default=None, help="explicit order, e.g. longalign:4,balanced:4,longalign:2"
+    )
+    parser.add_argument("--variants", default="A,B,C,D")
+    parser.add_argument(
+        "--all-variants-at",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[4],
+        help="samples per rank at which A and C run too (B and D always run)",
+    )
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per config")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="unmeasured steps per config (after a global warm-up)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=32768, help="token budget per microbatch (= max length)"
+    )
+    parser.add_argument("--balanced-length", type=int, default=16384)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument(
+        "--calibration-lengths",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[512, 2048, 4096, 8192, 16384, 24576, 32768],
+    )
+    parser.add_argument("--calibration-repeats", type=int, default=2)
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=540.0,
+        help="seconds; a config is skipped when its calibrated estimate would overrun",
+    )
+    parser.add_argument("--timeout", type=float, default=300.0, help="ODC peer-wait timeout (s)")
+    parser.add_argument("--world-size", type=int, default=None)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument(
+        "--report-only",
+        default=None,
+        help="re-render the report from one or more .raw.json (comma list; merged)",
+    )
+    args = parser.parse_args(argv)
+    if args.report_only:
+        payload = merge([json.loads(Path(p).read_text()) for p in args.report_only.split(",")])
+        print(render(payload, args.out))
+        return
+    import torch
+
+    from odc_hf.testing import run_ranks
+
+    cuda = torch.cuda.device_count() >= 2
+    world_size = args.world_size or (torch.cuda.device_count() if cuda else 2)
+    results = run_ranks(_run, world_size, args, backend="nccl" if cuda else "gloo",
+                        timeout_s=args.time_budget + 900)  # fmt: skip
+    if results[0]["configs"]:
+        print(render(results[0], args.out))
+
+
+if __name__ == "__main__":
+    main()
