@@ -92,7 +92,7 @@ class BundleLoader(DataLoader):
 class _LocalGathers:
     """Stands in for the Accelerator inside the bundle loop: metric gathers stay local.
 
-    Libraries (TRL's ``compute_loss``) gather metrics once per microbatch; with uneven microbatch counts those
+    Libraries (TRL's ``compute_loss``) gather or reduce metrics once per microbatch; with uneven microbatch counts those
     collectives would pair up different microbatches or deadlock. Inside the loop they return the local value;
     the trainer aggregates once per step instead. Everything else goes to the real Accelerator.
     """
@@ -104,6 +104,9 @@ class _LocalGathers:
         return tensor.reshape(1) if isinstance(tensor, torch.Tensor) and tensor.dim() == 0 else tensor
 
     gather = gather_for_metrics
+
+    def reduce(self, tensor, reduction="sum", scale=1.0):  # TRL GRPO's global_masked_mean: local sums
+        return tensor * scale if scale != 1.0 else tensor
 
     def __getattr__(self, name):
         return getattr(self._accelerator, name)

@@ -1,0 +1,213 @@
+"""GRPO with ODC through TRL's GRPOTrainer: generation without lockstep, rollouts rebalanced by cost.
+
+    python examples/grpo.py                      # 2 processes: GPUs if there are 2+, else CPU; tiny offline default
+    accelerate launch --config_file accelerate_configs/odc.yaml examples/grpo.py \
+        --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --bf16 --max_completion_length 1024   # where a hub is reachable
+    python examples/grpo.py --trainer trl        # TRL's GRPOTrainer (collectives), for A/B runs
+
+Defaults need no network: a tiny Qwen2-architecture model built from a config, a byte-level BPE trained on the
+Python standard library's sources, and arithmetic prompts ("17 + 25 =") scored by a programmatic reward (the
+answer, with partial credit for digits, so that a random model's completions still differ in reward).
+``--fixed_rollouts`` replaces generation by deterministic completions of long-tailed lengths (TRL's public
+``rollout_func``): both trainers then train on the same rollouts, which the parity test compares step by step.
+``--loss_type`` takes a comma-separated list and trains once per loss type (fresh model each time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_name_or_path", default=None, help="hub model or local directory (default: tiny model)")
+    p.add_argument("--trainer", choices=["odc", "trl"], default="odc", help="trl: GRPOTrainer with collectives")
+    p.add_argument("--loss_type", default="dapo", help="dapo | grpo | bnpo | dr_grpo, or a comma-separated list")
+    p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds a reference model)")
+    p.add_argument("--num_prompts", type=int, default=256)
+    p.add_argument("--num_generations", type=int, default=4)
+    p.add_argument("--max_completion_length", type=int, default=48)
+    p.add_argument("--max_steps", type=int, default=5)
+    p.add_argument("--per_device_train_batch_size", type=int, default=4)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=2)
+    p.add_argument("--num_iterations", type=int, default=1)
+    p.add_argument("--learning_rate", type=float, default=1e-3)
+    p.add_argument("--output_dir", default="output/grpo")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report_to", default="none")
+    p.add_argument("--fixed_rollouts", action="store_true", help="deterministic completions instead of generate()")
+    # ODC options (also settable as ODC_* environment variables)
+    p.add_argument("--balance", choices=["lb_mini", "lb_micro", "none"], default=None)
+    p.add_argument("--cost_model", default=None, help="flop | tokens | calibration.json")
+    p.add_argument("--max_tokens_per_microbatch", type=int, default=None)
+    p.add_argument("--losses_json", default=None, help="write per-step losses and microbatch counts here")
+    return p.parse_args(argv)
+
+
+def relaunch_if_needed(argv: list[str]) -> None:
+    """``python examples/grpo.py`` on a fresh machine: start 2 processes with the right accelerate config."""
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ or os.environ.get("ODC_NO_RELAUNCH"):
+        return
+    import torch
+
+    config = "odc.yaml" if torch.cuda.device_count() >= 2 else "cpu.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / config), "--num_processes", "2", __file__, *argv]  # fmt: skip
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "ODC_NO_RELAUNCH": "1"}  # fmt: skip
+    if config == "cpu.yaml":
+        env["ACCELERATE_USE_CPU"] = "true"  # see accelerate_configs/cpu.yaml
+    print(f"odc_hf: launching 2 processes with accelerate_configs/{config}", flush=True)
+    sys.exit(subprocess.call(cmd, env=env))
+
+
+# -- the task: arithmetic prompts, a programmatic reward ---------------------------------------------------------
+def arithmetic_dataset(num_prompts: int, seed: int):
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_prompts):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        op = rng.choice("+-*")
+        answer = a + b if op == "+" else a - b if op == "-" else a * b
+        rows.append({"prompt": f"Compute {a} {op} {b} = ", "answer": str(answer)})
+    return Dataset.from_list(rows)
+
+
+def arithmetic_reward(completions, answer, **kwargs) -> list[float]:
+    """1 for the right number first in the completion; otherwise partial credit for digits (max 0.5)."""
+    rewards = []
+    for text, truth in zip(completions, answer):
+        found = re.search(r"-?\d+", text)
+        if found and found.group() == truth:
+            rewards.append(1.0)
+        else:
+            rewards.append(0.5 * sum(ch.isdigit() for ch in text) / max(1, len(text)))
+    return rewards
+
+
+def fixed_rollouts(tokenizer, max_completion_length: int):
+    """A TRL ``rollout_func``: completions that depend only on the prompt (and its repeat index), with lengths
+    drawn from a long-tailed mix (short right answers, long wrong ones) and an eos at the end of short ones."""
+    eos = tokenizer.eos_token_id
+
+    def rollout(prompts, trainer):
+        seen: dict[str, int] = {}
+        prompt_ids, completion_ids = [], []
+        for prompt in prompts:
+            k = seen[prompt] = seen.get(prompt, -1) + 1
+            rng = random.Random(zlib.crc32(f"{prompt}|{k}".encode()))
+            length = min(max_completion_length, max(2, int(rng.lognormvariate(2.0, 1.1))))
+            ids = [rng.randrange(3, len(tokenizer)) for _ in range(length)]
+            if length < max_completion_length:
+                ids[-1] = eos
+            prompt_ids.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            completion_ids.append(ids)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+    return rollout
+
+
+def build_model(args, tokenizer, output_dir: Path):
+    """The policy: a hub id / local path, or the tiny offline model. With ``--beta`` TRL builds the reference model
+    from the policy's path, so the tiny model is saved to disk and passed by path."""
+    from odc_hf.data import tiny_qwen2_model
+
+    if args.model_name_or_path:
+        return args.model_name_or_path
+    model = tiny_qwen2_model(tokenizer, seed=args.seed)
+    if args.beta == 0.0:
+        return model
+    path = output_dir / "init_model"
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return str(path)
+
+
+def train_one(args, loss_type: str, tokenizer, dataset):
+    import torch
+    from trl import GRPOConfig, GRPOTrainer
+
+    from odc_hf import ODCConfig
+    from odc_hf.integrations.grpo import __getattr__ as grpo_lazy
+
+    output_dir = Path(args.output_dir) / loss_type
+    model = build_model(args, tokenizer, output_dir)
+    config = GRPOConfig(
+        output_dir=str(output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length, num_iterations=args.num_iterations,
+        learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, beta=args.beta, loss_type=loss_type, seed=args.seed, logging_steps=1,
+        save_strategy="no", report_to=args.report_to, bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
+        model_init_kwargs={"dtype": torch.bfloat16 if args.bf16 else torch.float32},
+        disable_tqdm=True, temperature=1.0,
+    )  # fmt: skip
+    kwargs = dict(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
+                  processing_class=tokenizer)  # fmt: skip
+    if args.fixed_rollouts:
+        kwargs["rollout_func"] = fixed_rollouts(tokenizer, args.max_completion_length)
+    if args.trainer == "odc":
+        odc_config = ODCConfig.from_env(balance=args.balance, cost_model=args.cost_model,
+                                        max_tokens_per_microbatch=args.max_tokens_per_microbatch)  # fmt: skip
+        trainer = grpo_lazy("ODCGRPOTrainer")(**kwargs, odc_config=odc_config)
+    else:
+        trainer = GRPOTrainer(**kwargs)
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    steps = [{"microbatches": s.microbatches, "busy_s": s.busy_s, "wait_s": s.wait_s}
+             for s in getattr(trainer, "odc_stats", None).steps] if args.trainer == "odc" else []  # fmt: skip
+    for handle in (getattr(trainer, "odc", None), getattr(trainer, "odc_ref", None)):
+        if handle is not None:
+            handle.close()
+    return trainer, {"history": history, "steps": steps}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from odc_hf.data import default_tokenizer
+
+    if args.model_name_or_path:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    else:
+        tokenizer = default_tokenizer()
+    tokenizer.padding_side = "left"
+    dataset = arithmetic_dataset(args.num_prompts, args.seed)
+    results = {}
+    for loss_type in args.loss_type.split(","):
+        trainer, results[loss_type] = train_one(args, loss_type, tokenizer, dataset)
+        if trainer.accelerator.is_main_process:
+            history = results[loss_type]["history"]
+            counts = [s["microbatches"] for s in results[loss_type]["steps"]]
+            print(f"\nodc_hf grpo summary ({args.trainer}, {loss_type}, {trainer.accelerator.num_processes} processes, "
+                  f"{trainer.state.global_step} steps): final loss {history[-1]['loss']:.6f}, "
+                  f"reward {history[-1].get('reward', float('nan')):.4f}"
+                  + (f", microbatches per rank per step {counts}" if counts else ""), flush=True)  # fmt: skip
+    if args.losses_json and trainer.accelerator.is_main_process:
+        Path(args.losses_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.losses_json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    relaunch_if_needed(sys.argv[1:])
+    main()

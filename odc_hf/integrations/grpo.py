@@ -1,0 +1,387 @@
+"""TRL GRPO with ODC: ``ODCGRPOTrainer``.
+
+One optimizer step of TRL's ``GRPOTrainer`` (``steps_per_generation == gradient_accumulation_steps``, TRL's
+default) trains on one generation batch, split on every rank into ``gradient_accumulation_steps`` padded
+microbatches of ``per_device_train_batch_size`` completions; under FSDP collectives the rank holding the longest
+completions sets the pace of every layer of every microbatch. Here, per generation:
+
+1. each rank generates its own prompts (``generate()`` under FSDP2 gathers peers' shards one-sidedly, so ranks
+   finish at different times without waiting for each other) and TRL scores them (advantages are final);
+2. every sample gets the loss weight TRL's normalisation gives it (see :func:`sample_weights`): the collective
+   trainer's loss is a fixed weighted sum of per-token terms, and only the weights depend on which rank and
+   microbatch TRL put a sample in;
+3. one exchange (``all_gather_object`` of the unpadded samples), then every rank plans the same split of the
+   generation batch by cost (``ODCConfig.balance`` / ``cost_model``) and packs its share into padded
+   microbatches; ranks run different numbers of them;
+4. TRL's own ``compute_loss`` runs per microbatch with the weights folded into the loss mask, so its per-token
+   loss (clipping, ``delta``, KL, masks) is used as is; its per-microbatch metric collectives stay local and are
+   aggregated once per step.
+
+TRL private surfaces used, all checked at construction against ``TESTED_TRL`` (``tests/test_grpo_trl_surface.py``):
+``_generate_and_score_completions`` (generation + scoring), ``_get_train_sampler`` (overridden: one dataloader
+batch per optimizer step), ``_metrics`` (per-step aggregation), and the key names of the batch dict that
+``_compute_loss`` reads (``tool_mask`` multiplies the loss mask, ``num_items_in_batch`` normalises ``dapo``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.distributed as dist
+from packaging.version import Version
+
+from odc_hf.balance.planner import PLANNERS
+from odc_hf.integrations.trainer import Bundle, ODCMixin
+
+logger = logging.getLogger(__name__)
+
+TESTED_TRL = ("1.16",)
+SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+TRL_PRIVATE_METHODS = ("_generate_and_score_completions", "_get_train_sampler", "compute_loss")
+TRL_PRIVATE_ATTRIBUTES = ("_metrics", "loss_type", "beta", "ref_model", "max_completion_length", "num_iterations")
+# Keys of TRL's generation batch that this module knows how to split into samples and re-pad.
+_PER_TOKEN = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
+              "sampling_per_token_logps", "tool_mask", "importance_sampling_ratio")  # fmt: skip
+_KNOWN_KEYS = {"prompt_ids", "prompt_mask", "advantages", "num_items_in_batch", *_PER_TOKEN}
+# Metrics TRL's _compute_loss appends once per microbatch; aggregated over the step's microbatches of all ranks.
+_LOSS_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                 "clip_ratio/low_min", "clip_ratio/high_max")  # fmt: skip
+
+
+def check_trl_grpo(trainer) -> None:
+    """Refuse TRL versions and settings this integration was not written for, with a message saying why."""
+    import trl
+
+    version = Version(trl.__version__)
+    if f"{version.major}.{version.minor}" not in TESTED_TRL:
+        raise RuntimeError(
+            f"ODCGRPOTrainer reads private parts of TRL's GRPOTrainer and was written for trl {TESTED_TRL}; "
+            f"found trl {trl.__version__}. Install trl=={TESTED_TRL[-1]}.* or update odc_hf/integrations/grpo.py"
+        )
+    missing = [n for n in TRL_PRIVATE_METHODS if not callable(getattr(trainer, n, None))]
+    missing += [n for n in TRL_PRIVATE_ATTRIBUTES if not hasattr(trainer, n)]
+    if missing:
+        raise RuntimeError(f"trl {trl.__version__}: GRPOTrainer lacks {missing}; odc_hf was tested on {TESTED_TRL}")
+
+
+def _check_settings(trainer, grad_accum: int) -> None:
+    args = trainer.args
+    refuse = []
+    if trainer.loss_type not in SUPPORTED_LOSS_TYPES:
+        refuse.append(f"loss_type={trainer.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)})")
+    if args.steps_per_generation != grad_accum:
+        refuse.append(
+            f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps={grad_accum} "
+            "(ODC trains one generation batch per optimizer step)"
+        )
+    if args.use_vllm:
+        refuse.append("use_vllm=True (ODC's point here is generate() without lockstep)")
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        refuse.append("an entropy bonus (entropy_coef / use_adaptive_entropy): it is normalised per microbatch")
+    if args.top_entropy_quantile < 1.0:
+        refuse.append("top_entropy_quantile < 1 (its quantile is gathered across ranks per microbatch)")
+    if args.sync_ref_model:
+        refuse.append("sync_ref_model=True (the ODC reference model is published once)")
+    if not trainer.odc_config.enabled:
+        refuse.append("ODCConfig(enabled=False): for the collective baseline use trl.GRPOTrainer itself")
+    if refuse:
+        raise ValueError("ODCGRPOTrainer does not support " + "; ".join(refuse))
+
+
+# -- the loss weights ------------------------------------------------------------------------------
+def sample_weights(
+    loss_mask: torch.Tensor,
+    slice_of: torch.Tensor,
+    *,
+    loss_type: str,
+    num_slices: int,
+    world_size: int,
+    max_completion_length: int,
+    num_items_in_batch: float,
+) -> torch.Tensor:
+    """Per-sample weight w such that TRL's loss equals sum over samples of w * sum_t(per_token_loss * mask).
+
+    TRL (collectives) on every rank splits its generation batch into ``num_slices`` (= G, the accumulation steps)
+    microbatches of P samples, divides each microbatch's loss as below and by G, and the gradient is averaged over
+    the W ranks:
+
+    - ``grpo``: mean over the microbatch of each sequence's token mean -> 1 / (len_i * P * G * W)
+    - ``bnpo``: token sum / the microbatch's tokens                     -> 1 / (T_slice * G * W)
+    - ``dr_grpo``: token sum / (P * max_completion_length)              -> 1 / (P * max_completion_length * G * W)
+    - ``dapo``: token sum / (global tokens / W * G / steps_per_generation) -> 1 / global tokens (G == S)
+
+    ``loss_mask`` is this rank's (B, T) loss mask, ``slice_of`` the (B,) microbatch index TRL gave each sample.
+    """
+    tokens = loss_mask.sum(-1).double()
+    per_slice = torch.bincount(slice_of, minlength=num_slices)
+    size = per_slice[slice_of].double()  # P of each sample's microbatch
+    scale = float(num_slices * world_size)
+    if loss_type == "grpo":
+        return 1.0 / (tokens.clamp(min=1.0) * size * scale)
+    if loss_type == "bnpo":
+        slice_tokens = torch.zeros(num_slices, dtype=torch.float64).index_add_(0, slice_of, tokens)
+        return 1.0 / (slice_tokens[slice_of].clamp(min=1.0) * scale)
+    if loss_type == "dr_grpo":
+        return 1.0 / (size * max_completion_length * scale)
+    if loss_type == "dapo":
+        return torch.full_like(tokens, 1.0 / max(float(num_items_in_batch), 1.0))
+    raise ValueError(f"loss_type {loss_type!r} is not supported (supported: {SUPPORTED_LOSS_TYPES})")
+
+
+# -- samples: unpad, exchange, plan, re-pad --------------------------------------------------------
+def unbatch(batch: dict, weights: torch.Tensor) -> list[dict]:
+    """TRL's padded generation batch -> one dict of unpadded CPU tensors per sample (plus its weight)."""
+    unknown = sorted(k for k, v in batch.items() if k not in _KNOWN_KEYS and v is not None)
+    if unknown:
+        raise NotImplementedError(f"ODCGRPOTrainer cannot rebalance batches with {unknown} (multimodal inputs?)")
+    width = batch["completion_ids"].size(1)
+    prompt_len = batch["prompt_mask"].sum(-1).tolist()
+    mask = batch["completion_mask"]
+    # Completion i ends after its last attended token; keep one (masked) token when none is (a truncated
+    # completion under mask_truncated_completions), so that every sample has a completion position.
+    ends = torch.where(mask.any(-1), width - mask.flip(-1).int().argmax(-1), torch.ones_like(mask[:, 0])).tolist()
+    samples = []
+    for i, (p, c) in enumerate(zip(prompt_len, ends)):
+        sample = {"prompt_ids": batch["prompt_ids"][i, batch["prompt_ids"].size(1) - p :].cpu(),
+                  "advantages": batch["advantages"][i].cpu(), "weight": float(weights[i])}  # fmt: skip
+        for key in _PER_TOKEN:
+            value = batch.get(key)
+            if value is not None:
+                sample[key] = value[i, :c].cpu() if value.size(1) == width else value[i].cpu()
+        samples.append(sample)
+    return samples
+
+
+def sample_length(sample: dict) -> int:
+    return int(sample["prompt_ids"].numel() + sample["completion_ids"].numel())
+
+
+def split_for_padding(microbatch: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Split one planned microbatch so that, padded to its longest sample, it stays within ``budget`` tokens."""
+    order = sorted(microbatch, key=lambda i: -lengths[i])
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def collate(samples: list[dict], pad_token_id: int, device) -> dict:
+    """Samples -> one padded microbatch in TRL's layout (prompts left-padded, completions right-padded)."""
+
+    def stack(key, value, side):
+        rows = [s[key] for s in samples]
+        width = max(r.numel() for r in rows)
+        out = torch.full((len(rows), width), value, dtype=rows[0].dtype)
+        for i, r in enumerate(rows):
+            if side == "left":
+                out[i, width - r.numel() :] = r
+            else:
+                out[i, : r.numel()] = r
+        return out
+
+    batch = {"prompt_ids": stack("prompt_ids", pad_token_id, "left")}
+    batch["prompt_mask"] = stack("prompt_ids", -1, "left").ne(-1).long()
+    for key in _PER_TOKEN:
+        if key in samples[0]:
+            first = samples[0][key]
+            if key == "importance_sampling_ratio" and first.numel() == 1:  # sequence-level ratio: (B, 1)
+                batch[key] = torch.stack([s[key].reshape(1) for s in samples])
+            else:
+                batch[key] = stack(key, pad_token_id if key == "completion_ids" else 0, "right")
+    batch["advantages"] = torch.stack([s["advantages"] for s in samples])
+    batch["odc_weight"] = torch.tensor([s["weight"] for s in samples], dtype=torch.float64)
+    loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
+    batch["num_label_tokens"] = int(loss_mask.sum())
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class GRPOBundle(Bundle):
+    """A rank's microbatches of one step, in TRL's padded prompt/completion layout."""
+
+    @property
+    def input_tokens(self) -> int:  # tokens the forward passes process, padding included
+        return sum(int(mb["prompt_ids"].numel() + mb["completion_ids"].numel()) for mb in self.microbatches)
+
+
+class _GRPOPart:
+    """The GRPO specifics on top of :class:`ODCMixin`; see the module docstring."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        check_trl_grpo(self)
+        _check_settings(self, self.odc_grad_accum)
+        self.odc_generation_steps = 0  # optimizer steps trained since the last generation
+        self.odc_bundle: GRPOBundle | None = None
+        self.odc_plan_summary: dict = {}
+        self.odc_ref = self._odc_install_ref() if self.ref_model is not None else None
+
+    def create_accelerator_and_postprocess(self):
+        self.odc_grad_accum = self.args.gradient_accumulation_steps  # TRL's G, before ODCMixin folds it to 1
+        super().create_accelerator_and_postprocess()
+
+    def _odc_install_ref(self):
+        """Put the (frozen, never updated) reference model on ODC too: its no-grad forwards gather one-sidedly."""
+        from odc_hf.fsdp import install_odc, shard_model
+        from odc_hf.integrations.accelerator import _is_sharded
+
+        if self.accelerator.num_processes < 2:
+            return None
+        ref = self.ref_model
+        if not _is_sharded(ref):  # CPU path: TRL kept a full replica; shard it like the policy
+            ref.to(self.accelerator.device)
+            shard_model(ref)
+        config = self.odc_config
+        return install_odc(ref, timeout_s=config.timeout_s, shm_dir=config.shm_dir)  # published once, for good
+
+    # -- data: one dataloader batch (this rank's part of a generation batch) per optimizer step --------------
+    def get_train_dataloader(self):
+        return super(ODCMixin, self).get_train_dataloader()  # TRL's loader, with the sampler below
+
+    def _get_train_sampler(self, dataset=None):
+        from trl.trainer.utils import RepeatSampler
+
+        return RepeatSampler(
+            data_source=self.train_dataset if dataset is None else dataset,
+            mini_repeat_count=self.num_generations,
+            batch_size=self.args.generation_batch_size // self.num_generations,
+            repeat_count=self.num_iterations,  # TRL: num_iterations * steps_per_generation microsteps
+            shuffle=self.shuffle_dataset,
+            seed=self.args.seed,
+        )
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        try:
+            return [next(epoch_iterator)], None
+        except StopIteration:
+            return [], None
+
+    # -- one optimizer step ---------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.odc_bundle is None or self.odc_generation_steps % self.num_iterations == 0:
+            self.odc_bundle = self.odc_generate_and_plan(inputs)
+            self.odc_generation_steps = 0
+        self.odc_generation_steps += 1
+        return super().training_step(model, self.odc_bundle, num_items_in_batch)
+
+    @contextlib.contextmanager
+    def _trl_accumulation_view(self):
+        """TRL decides whether to compute old log-probs from ``args.gradient_accumulation_steps``; show it the
+        user's value (ODCMixin runs the Trainer with 1) so it decides as it would without ODC."""
+        folded = self.args.gradient_accumulation_steps
+        self.args.gradient_accumulation_steps = self.odc_grad_accum
+        try:
+            yield
+        finally:
+            self.args.gradient_accumulation_steps = folded
+
+    def odc_generate_and_plan(self, inputs) -> GRPOBundle:
+        """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
+        from trl.trainer.utils import shuffle_sequence_dict
+
+        with self._trl_accumulation_view():
+            batch = self._generate_and_score_completions(inputs)
+        # The microbatches TRL would train on: its shuffle (same RNG draw, so runs stay comparable) and split.
+        batch = shuffle_sequence_dict(batch)
+        num_slices, size = self.odc_grad_accum, batch["completion_ids"].size(0)
+        slice_of = torch.arange(size) // max(1, size // num_slices)
+        loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
+        weights = sample_weights(loss_mask.cpu(), slice_of, loss_type=self.loss_type, num_slices=num_slices,
+                                 world_size=self.accelerator.num_processes,
+                                 max_completion_length=self.max_completion_length,
+                                 num_items_in_batch=float(batch["num_items_in_batch"]))  # fmt: skip
+        local = unbatch(batch, weights)
+        gathered: list = [None] * self.accelerator.num_processes
+        dist.all_gather_object(gathered, local)  # the one exchange per generation
+        samples = [s for part in gathered for s in part]
+        lengths = [sample_length(s) for s in samples]
+        budget = self.odc_config.max_tokens_per_microbatch or self.args.per_device_train_batch_size * max(lengths)
+        if max(lengths) > budget:
+            raise ValueError(f"a sample has {max(lengths)} tokens, more than max_tokens_per_microbatch={budget}")
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        plan = PLANNERS[self.odc_config.balance](lengths, world, budget, self._odc_cost_model())
+        mine = [part for mb in plan.for_rank(rank) if mb for part in split_for_padding(mb, lengths, budget)]
+        self.odc_plan_summary = plan.summary()
+        self.odc_weight_scale = min(s["weight"] for s in samples)  # relative weights >= 1 (see compute_loss)
+        pad = getattr(self.processing_class, "tokenizer", self.processing_class).pad_token_id
+        return GRPOBundle([collate([samples[i] for i in mb], pad, "cpu") for mb in mine])
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss on one ODC microbatch, each sample weighted as the collective trainer weighs it.
+
+        TRL's ``dapo`` branch computes ``sum(per_token_loss * mask) / normaliser`` with ``mask = completion_mask *
+        tool_mask``. Passing ``tool_mask`` = the sample's weight relative to the smallest one (>= 1, so TRL's
+        ``mask.sum().clamp(min=1)`` guards never bite) and a ``num_items_in_batch`` that makes the normaliser the
+        inverse of that smallest weight gives ``sum_i w_i * sum_t(per_token_loss * mask)``: every supported loss
+        type (same per-token loss in TRL, different normalisers) becomes this one weighted sum.
+        """
+        if "odc_weight" not in inputs:  # evaluation: TRL's own path
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = dict(inputs)
+        relative = (inputs.pop("odc_weight") / self.odc_weight_scale).float().unsqueeze(1)
+        tool = inputs.get("tool_mask")
+        inputs["tool_mask"] = relative if tool is None else tool * relative
+        world = self.accelerator.num_processes
+        # TRL: normaliser = num_items / W * current_gradient_accumulation_steps (1 here) / steps_per_generation
+        inputs["num_items_in_batch"] = torch.tensor(world * self.args.steps_per_generation / self.odc_weight_scale,
+                                                    dtype=torch.float32, device=relative.device)  # fmt: skip
+        loss_type, self.loss_type = self.loss_type, "dapo"
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self.loss_type = loss_type
+
+    # -- once-per-step metrics ------------------------------------------------------------------------
+    def odc_before_bundle(self):
+        metrics = self._metrics["train"]
+        return {k: len(metrics[k]) for k in _LOSS_METRICS}
+
+    def odc_after_bundle(self, snapshot) -> None:
+        metrics = self._metrics["train"]
+        rows = []
+        for key in _LOSS_METRICS:
+            new = [v for v in metrics[key][snapshot[key] :] if v == v]  # TRL's nanmin/nanmax skip NaN
+            rows.append([sum(new), len(new), min(new, default=float("inf")), max(new, default=float("-inf"))])
+        local = torch.tensor(rows, dtype=torch.float64, device=self.accelerator.device)
+        every = self.accelerator.gather(local.unsqueeze(0)).reshape(-1, len(_LOSS_METRICS), 4)
+        for k, key in enumerate(_LOSS_METRICS):
+            del metrics[key][snapshot[key] :]
+            total, count = every[:, k, 0].sum().item(), every[:, k, 1].sum().item()
+            if count == 0:
+                if not metrics[key]:
+                    del metrics[key]
+                continue
+            if key.endswith("_min"):
+                metrics[key].append(every[:, k, 2].min().item())
+            elif key.endswith("_max"):
+                metrics[key].append(every[:, k, 3].max().item())
+            else:  # mean over every microbatch of every rank
+                metrics[key].append(total / count)
+
+    def log(self, logs, *args, **kwargs):
+        if "loss" in logs and self.odc_plan_summary:
+            logs = {**logs, "odc/predicted_bubble": round(self.odc_plan_summary["predicted_bubble_odc"], 4)}
+        return super().log(logs, *args, **kwargs)
+
+
+def make_odc_grpo_trainer(grpo_cls):
+    """``ODCX = make_odc_grpo_trainer(X)`` for ``trl.GRPOTrainer`` or a subclass of it."""
+    cls = type(f"ODC{grpo_cls.__name__}", (_GRPOPart, ODCMixin, grpo_cls), {"__module__": __name__})
+    return cls
+
+
+def __getattr__(name):
+    if name == "ODCGRPOTrainer":
+        from trl import GRPOTrainer
+
+        cls = make_odc_grpo_trainer(GRPOTrainer)
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+__all__ = ["SUPPORTED_LOSS_TYPES", "check_trl_grpo", "make_odc_grpo_trainer", "sample_weights"]
