@@ -262,6 +262,7 @@ class _GRPOPart:
 
     # -- one optimizer step ---------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()  # as Trainer.training_step does before TRL's _prepare_inputs: TRL reads the mode from it
         if self.odc_bundle is None or self.odc_generation_steps % self.num_iterations == 0:
             self.odc_bundle = self.odc_generate_and_plan(inputs)
             self.odc_generation_steps = 0
