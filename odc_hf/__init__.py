@@ -17,6 +17,7 @@ _LAZY = {
     "ODCTrainer": "odc_hf.integrations.trainer",
     "make_odc_trainer": "odc_hf.integrations.trainer",
     "ODCSFTTrainer": "odc_hf.integrations.trl",
+    "ODCGRPOTrainer": "odc_hf.integrations.grpo",
     "patch_trl": "odc_hf.integrations.trl",
     "ODCTrainingArguments": "odc_hf.integrations.arguments",
     "ODCSFTConfig": "odc_hf.integrations.arguments",

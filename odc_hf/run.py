@@ -3,7 +3,7 @@
     accelerate launch --config_file accelerate_configs/odc.yaml -m odc_hf.run trl.scripts.sft \\
         --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara --output_dir out
 
-It calls :func:`odc_hf.patch_trl` (so ``from trl import SFTTrainer`` gives the ODC trainer) and then runs the
+It calls :func:`odc_hf.patch_trl` (so ``from trl import SFTTrainer`` / ``GRPOTrainer`` give the ODC trainers) and then runs the
 target as ``__main__`` with the remaining arguments. ODC options come from ``ODC_*`` environment variables.
 """
 

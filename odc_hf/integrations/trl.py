@@ -1,4 +1,4 @@
-"""TRL integration: ``ODCSFTTrainer`` and ``patch_trl()``.
+"""TRL integration: ``ODCSFTTrainer`` and ``patch_trl()`` (GRPO lives in ``odc_hf.integrations.grpo``).
 
 TRL's ``SFTTrainer.compute_loss`` gathers its metrics (entropy, token accuracy, token count) once per
 microbatch; under ODC ranks run different numbers of microbatches, so the trainer keeps those gathers local
@@ -99,24 +99,28 @@ _PATCHED = False
 
 
 def patch_trl() -> None:
-    """Make ``trl.SFTTrainer`` (as recipe scripts import it) the ODC version, in this process only.
+    """Make ``trl.SFTTrainer`` and ``trl.GRPOTrainer`` (as recipe scripts import them) the ODC versions, in this
+    process only.
 
-    TRL has no plugin mechanism and its recipes do ``from trl import SFTTrainer``; rebinding that public name
-    before the recipe imports it is the least intrusive way in (nothing inside TRL is modified).
+    TRL has no plugin mechanism and its recipes do ``from trl import SFTTrainer`` / ``GRPOTrainer``; rebinding
+    those public names before the recipe imports them is the least intrusive way in (nothing inside TRL is modified).
     """
     global _PATCHED
     if _PATCHED:
         return
     import trl
 
-    odc_sft = __getattr__("ODCSFTTrainer")
-    trl.SFTTrainer = odc_sft
-    try:
-        import trl.trainer as trl_trainer
+    from odc_hf.integrations import grpo
 
-        trl_trainer.SFTTrainer = odc_sft
-    except ImportError:  # pragma: no cover
-        pass
+    replacements = {"SFTTrainer": __getattr__("ODCSFTTrainer"), "GRPOTrainer": grpo.__getattr__("ODCGRPOTrainer")}
+    for name, cls in replacements.items():
+        setattr(trl, name, cls)
+        try:
+            import trl.trainer as trl_trainer
+
+            setattr(trl_trainer, name, cls)
+        except ImportError:  # pragma: no cover
+            pass
     _PATCHED = True
 
 
