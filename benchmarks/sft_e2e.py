@@ -221,9 +221,17 @@ def _build(kind: str, config, device, args):
     return model, optimizer, odc
 
 
+def _retries(device) -> int:
+    import torch
+
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
 def _run_step(model, optimizer, odc, microbatches, global_labels, device, clock) -> dict:
     import torch
     import torch.distributed as dist
+
+    from odc_hf import attention
 
     cuda = device.type == "cuda"
     batches = []
@@ -238,6 +246,7 @@ def _run_step(model, optimizer, odc, microbatches, global_labels, device, clock)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
+    retries, calls = _retries(device), dict(attention.CALLS)
     t0 = time.perf_counter()
     start = clock.mark()
     ends = []
@@ -263,6 +272,9 @@ def _run_step(model, optimizer, odc, microbatches, global_labels, device, clock)
         "busy_s": ends_s[-1] if ends_s else 0.0,
         "opt_s": clock.seconds(opt_start, opt_end),
         "transient_bytes": (torch.cuda.max_memory_allocated(device) - base) if cuda else 0,
+        "reserved_bytes": torch.cuda.memory_reserved(device) if cuda else 0,
+        "alloc_retries": _retries(device) - retries,
+        "attention_calls": {k: v - calls.get(k, 0) for k, v in attention.CALLS.items()},
     }
 
 
@@ -585,7 +597,7 @@ def render(payload: dict, out_dir) -> str:
                      + f" | {cfg['ratios']['D_vs_B']['measured']:.3f} ({W} GPUs) |")  # fmt: skip
     lines.append("\nThe 2-GPU column uses fresh samples from the same generator; the per-config tables above give the "
                  "prediction for the exact measured samples.\n")  # fmt: skip
-    stem = f"sft_e2e_{report.hardware_tag(env)}_{env['date'][:10]}"
+    stem = f"sft_e2e_{report.hardware_tag(env)}_{env['date'][:10]}{payload['args'].get('tag', '')}"
     images = []
     try:
         images = _plots(payload, results, Path(out_dir), stem)
@@ -718,7 +730,7 @@ def merge(payloads: list[dict]) -> dict:
 def _write(payload: dict, out_dir, *, final: bool) -> None:
     from benchmarks import report
 
-    stem = f"sft_e2e_{report.hardware_tag(payload['env'])}_{payload['env']['date'][:10]}"
+    stem = f"sft_e2e_{report.hardware_tag(payload['env'])}_{payload['env']['date'][:10]}{payload['args'].get('tag', '')}"
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"{stem}.raw.json").write_text(json.dumps(payload, default=str))
     if payload["configs"]:
@@ -777,6 +789,12 @@ def main(argv=None) -> None:
         help="seconds; a config is skipped when its calibrated estimate would overrun",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="ODC peer-wait timeout (s)")
+    parser.add_argument(
+        "--expandable-segments",
+        action="store_true",
+        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the ranks",
+    )
+    parser.add_argument("--tag", default="", help="suffix of the output file names")
     parser.add_argument("--world-size", type=int, default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument(
@@ -795,8 +813,9 @@ def main(argv=None) -> None:
 
     cuda = torch.cuda.device_count() >= 2
     world_size = args.world_size or (torch.cuda.device_count() if cuda else 2)
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if args.expandable_segments else None
     results = run_ranks(_run, world_size, args, backend="nccl" if cuda else "gloo",
-                        timeout_s=args.time_budget + 900)  # fmt: skip
+                        timeout_s=args.time_budget + 900, env=env)  # fmt: skip
     if results[0]["configs"]:
         print(render(results[0], args.out))
 

@@ -23,6 +23,7 @@ is built for this implementation. One host sync per forward reads the boundaries
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 
 import torch
 from transformers import AttentionInterface
@@ -32,6 +33,9 @@ __all__ = ["VARLEN_ATTENTION", "document_bounds", "register", "sdpa_varlen_atten
 
 VARLEN_ATTENTION = "sdpa_varlen"
 """The ``attn_implementation`` name this module registers."""
+
+CALLS: Counter = Counter()
+"""How often each path ran: ``documents`` (per-document SDPA calls), ``single`` (one-document rows), ``fallback``."""
 
 _cache: tuple[weakref.ref, list[tuple[int, int]]] | None = None
 
@@ -73,10 +77,13 @@ def sdpa_varlen_attention_forward(
         kwargs.pop(key_name, None)
     length = query.shape[2]
     if attention_mask is not None or query.shape[0] != 1 or key.shape[2] != length or cu_seq_lens is None:
+        CALLS["fallback"] += 1
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     bounds = document_bounds(cu_seq_lens, length)
     if len(bounds) == 1:
+        CALLS["single"] += 1
         return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+    CALLS["documents"] += len(bounds)
     outputs = [
         sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]
         for a, b in bounds
