@@ -2,7 +2,7 @@
 # GPU checks run on the device machine (2 GPUs). Usage: bash benchmarks/device_run.sh A|B  (writes under $OUT)
 #   A: FSDP-adapter GPU tests, 1.5B ODC-vs-FSDP2 parity, the tiny main job on GPUs
 #   B: the main job with a 1.5B Qwen2 shape on LongAlign-like lengths, ODC+LB-Mini then FSDP2+LB-Micro
-#   E: benchmarks/sft_e2e.py part 1 (LongAlign-like at 4/2/8 samples per rank, balanced)
+#   E: attention_check.py, then benchmarks/sft_e2e.py (LongAlign-like 4/2/8 per rank, balanced, SWE-smith 4, Tulu 4)
 #   F: benchmarks/sft_e2e.py part 2 (SWE-smith-like, Tulu-like), then benchmarks/grpo_e2e.py
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -33,8 +33,12 @@ if [ "$1" = B ]; then
   tail -c 20000 /tmp/sft15_on.log > "$OUT/sft15_on.log"
 fi
 if [ "$1" = E ]; then
-  timeout 560 python3 benchmarks/sft_e2e.py --configs longalign:4,balanced:4,longalign:2,longalign:8 \
-    --time-budget 480 --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_part1.log" | grep -v "^|" | tail -30
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/attention_check.py --out "$OUT" 2>&1 | tail -8
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py 2>&1 | tail -2
+  timeout 470 python3 benchmarks/sft_e2e.py --configs longalign:4,balanced:4,swe_smith:4,tulu:4,longalign:2,longalign:8 \
+    --calibration-lengths 1024,4096,8192,12288,16384,20480,24576,28672,32768 --calibration-repeats 1 \
+    --expandable-segments --time-budget ${E2E_BUDGET:-400} --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_part1.log" \
+    | grep -v "^|" | tail -12
 fi
 if [ "$1" = F ]; then
   timeout 330 python3 benchmarks/sft_e2e.py --configs swe_smith:4,tulu:4,swe_smith:2,tulu:2,tulu:8,swe_smith:8 \

@@ -56,3 +56,34 @@ def test_bad_boundaries_are_an_error():
         document_bounds(torch.tensor([0, 3, 9]), 7)
     assert document_bounds(None, 4) == [(0, 4)]
     assert document_bounds(torch.tensor([0, 0, 2, 4]), 4) == [(0, 2), (2, 4)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flash varlen kernel)")
+def test_cuda_varlen_kernel_matches_per_document_sdpa():
+    import odc_hf.attention as attention
+
+    config = tiny_qwen2_config(97)
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 256, 4, 2
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM._from_config(
+        config, attn_implementation=VARLEN_ATTENTION, torch_dtype=torch.bfloat16
+    )
+    model = model.cuda()
+    _, batch = _packed([300, 17, 129, 64])
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+    outputs = {}
+    try:
+        for use in (True, False):
+            attention.USE_VARLEN_KERNEL = use
+            before = dict(attention.CALLS)
+            out = model(**batch)
+            out.loss.backward()
+            grads = [p.grad.float().clone() for p in model.parameters()]
+            model.zero_grad()
+            outputs[use] = (out.logits.float(), grads, attention.CALLS["varlen"] - before.get("varlen", 0))
+    finally:
+        attention.USE_VARLEN_KERNEL = True
+    assert outputs[True][2] > 0 and outputs[False][2] == 0
+    torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=2e-2, atol=2e-2)
+    for a, b in zip(outputs[True][1], outputs[False][1]):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
