@@ -35,9 +35,9 @@ fi
 if [ "$1" = E ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 90 python3 benchmarks/attention_check.py --out "$OUT" 2>&1 | tail -8
   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py 2>&1 | tail -2
-  timeout 470 python3 benchmarks/sft_e2e.py --configs longalign:4,balanced:4,swe_smith:4,tulu:4,longalign:2,longalign:8 \
+  timeout 470 python3 benchmarks/sft_e2e.py --configs longalign:4,balanced:4,longalign:2,swe_smith:4,tulu:4,longalign:8 \
     --calibration-lengths 1024,4096,8192,12288,16384,20480,24576,28672,32768 --calibration-repeats 1 \
-    --expandable-segments --time-budget ${E2E_BUDGET:-400} --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_part1.log" \
+    --expandable-segments --time-budget ${E2E_BUDGET:-420} --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_part1.log" \
     | grep -v "^|" | tail -12
 fi
 if [ "$1" = F ]; then

@@ -23,6 +23,7 @@ Generation phase: ``model.generate()`` (greedy, KV cache) on a few prompts of va
 to its own ``max_new_tokens``: FSDP2 collectives need ``synced_gpus=True`` (a finished rank keeps running dummy
 forwards, or the other would hang in the next all-gather); ODC runs ``synced_gpus=False``.
 Writes ``grpo_e2e_<model>_<hardware>_<date>.{json,md}`` under ``--out`` (default ``$OUT`` or benchmarks/results).
+Expected runtime on 2xH200 (estimated, not yet measured): ~1.5 min training phase, ~1 min generation phase.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--cost_model", default=None, help="flop | calibration .json (default: 1.5B/H200 calibration on GPU)")
     p.add_argument("--gen_new_tokens", default=None, help="per-rank max_new_tokens, comma-separated (default 64,256)")
     p.add_argument("--gen_prompts", type=int, default=4, help="prompts per rank in the generation phase")
-    p.add_argument("--gen_repeats", type=int, default=3)
+    p.add_argument("--gen_repeats", type=int, default=2, help="measured generate() calls per variant (after one warm-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     p.add_argument("--timeout_s", type=float, default=900)

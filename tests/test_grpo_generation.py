@@ -58,7 +58,7 @@ def _generate_and_train(rank: int, world_size: int):
         replica_optimizer.step()
         replica_optimizer.zero_grad()
         for (name, p), q in zip(model.named_parameters(), replica.parameters()):
-            torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     odc.close()
     return seconds
 

@@ -94,10 +94,9 @@ def test_split_for_padding_keeps_padded_microbatches_within_budget():
 
 def test_patch_trl_rebinds_grpo_trainer():
     import trl
+    from trl.trainer.grpo_trainer import GRPOTrainer
 
     from odc_hf import patch_trl
-
-    from trl.trainer.grpo_trainer import GRPOTrainer
 
     patch_trl()
     assert trl.GRPOTrainer.__name__ == "ODCGRPOTrainer" and issubclass(trl.GRPOTrainer, GRPOTrainer)
