@@ -76,7 +76,7 @@ def main(argv=None) -> None:
                 }
             )
             print(results[-1], flush=True)
-    attention.USE_VARLEN_KERNEL = True
+    attention.USE_VARLEN_KERNEL = False
     env = report.environment()
     lines = [f"# Packed-row attention cost, Qwen2.5-{args.model} shape, one GPU, {T} tokens per row\n",
              report.env_markdown(env), f"fwd+bwd seconds (median of {args.repeats}), activation checkpointing, bf16\n",

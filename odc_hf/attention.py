@@ -9,11 +9,12 @@ varlen kernel) assume. On a 2×H200 LongAlign-like run that made packed rows far
 planned (see ``benchmarks/results/sft_main_job_*``).
 
 ``attn_implementation="sdpa_varlen"`` keeps attention inside each document at the ``cu_seq_lens_q``
-boundaries the padding-free collators provide, without building a mask: on CUDA with torch's
-``torch.nn.attention.varlen.varlen_attn`` (the flash varlen kernel, one launch per layer for the whole row),
-otherwise (CPU, or a torch without it) with one causal SDPA call per document. Measured on 2×H200 (torch 2.11):
-per-document SDPA calls on slices of the row cost about as much as full-row attention, so the varlen kernel
-is the GPU path. It is registered through transformers' public ``AttentionInterface``::
+boundaries the padding-free collators provide, without building a mask: one causal SDPA call per document
+(the flash kernel on GPUs). ``USE_VARLEN_KERNEL = True`` switches CUDA to torch's
+``torch.nn.attention.varlen.varlen_attn`` (one flash-varlen launch per layer for the whole row). Measured on one
+H200 (torch 2.11, Qwen2.5-1.5B shape, fwd+bwd of a 28,672-token row, ``benchmarks/attention_check.py``): one
+document 1.38 s on every path; 2 documents 1.13 s per-document SDPA, 1.35 s varlen kernel, 2.96 s transformers'
+``sdpa`` with its block-diagonal mask; 4 documents 0.99 / 1.08 / 2.96 s. Hence per-document SDPA is the default. It is registered through transformers' public ``AttentionInterface``::
 
     import odc_hf.attention  # registers "sdpa_varlen"
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa_varlen")
@@ -41,8 +42,8 @@ VARLEN_ATTENTION = "sdpa_varlen"
 CALLS: Counter = Counter()
 """How often each path ran: ``documents`` (per-document SDPA calls), ``single`` (one-document rows), ``fallback``."""
 
-USE_VARLEN_KERNEL = True
-"""Use torch's flash varlen kernel on CUDA when available (set False to compare with per-document SDPA)."""
+USE_VARLEN_KERNEL = False
+"""Use torch's flash varlen kernel on CUDA when available instead of per-document SDPA (slower on H200, see above)."""
 
 try:  # torch >= 2.10; its signature changed between releases, so arguments are chosen by name below
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn

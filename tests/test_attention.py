@@ -82,7 +82,7 @@ def test_cuda_varlen_kernel_matches_per_document_sdpa():
             model.zero_grad()
             outputs[use] = (out.logits.float(), grads, attention.CALLS["varlen"] - before.get("varlen", 0))
     finally:
-        attention.USE_VARLEN_KERNEL = True
+        attention.USE_VARLEN_KERNEL = False
     assert outputs[True][2] > 0 and outputs[False][2] == 0
     torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=2e-2, atol=2e-2)
     for a, b in zip(outputs[True][1], outputs[False][1]):
