@@ -365,12 +365,8 @@ def _run(rank, world_size, args):
                 microbatches = collator([[example(i) for i in mb] for mb in mine])
                 model, optimizer, odc = models[model_of[v]]
                 rec = _run_step(model, optimizer, odc, microbatches, global_labels, device, clock)
-                rec.update(
-                    variant=v,
-                    step=step,
-                    rank=rank,
-                    mb_tokens=[sum(min(int(ls[i]), budget) for i in mb) for mb in mine],
-                )
+                docs = [[min(int(ls[i]), budget) for i in mb] for mb in mine]
+                rec.update(variant=v, step=step, rank=rank, mb_tokens=[sum(d) for d in docs], mb_docs=docs)
                 records.append(rec)
         gathered = [None] * world_size
         dist.all_gather_object(gathered, records)
@@ -491,6 +487,97 @@ def analyse(payload: dict) -> list[dict]:
     return out
 
 
+def microbatch_timings(payload: dict, variants=("C", "D")) -> tuple[list[list[int]], list[float], list[str]]:
+    """Measured (document lengths, seconds, variant) of every microbatch ODC ranks ran after warm-up.
+
+    ODC ranks never wait inside a minibatch, so the gap between consecutive microbatch-end events is the
+    microbatch's own forward + backward. Runs that did not record ``mb_docs`` get them by re-planning the
+    step (the planners are deterministic given the lengths and the run's calibrated model).
+    """
+    import numpy as np
+
+    from odc_hf.balance.cost import QuadraticCostModel
+
+    W, budget = payload["world_size"], payload["args"]["max_tokens"]
+    docs_out, seconds, names = [], [], []
+    for cfg in payload["configs"]:
+        cal = cfg.get("calibration", payload["calibration"])
+        model = QuadraticCostModel(a=cal["a"], b=cal["b"], c=cal["c"])
+        wanted = [v for v in variants if v in cfg["variants"]]
+        for step, lengths in enumerate(cfg["lengths"]):
+            if step < cfg["warmup"] or not wanted:
+                continue
+            plans = None
+            for v in wanted:
+                for r in (r for r in cfg["records"] if r["variant"] == v and r["step"] == step):
+                    if "mb_docs" in r:
+                        docs = r["mb_docs"]
+                    else:
+                        if plans is None:
+                            plans = plans_for_step(np.asarray(lengths), W, budget, model, wanted)
+                        docs = [[min(int(lengths[i]), budget) for i in mb] for mb in plans[v][0][r["rank"]]]
+                    ends = [0.0] + r["mb_end_s"]
+                    for j, d in enumerate(docs):
+                        if d:
+                            docs_out.append(d)
+                            seconds.append(ends[j + 1] - ends[j])
+                            names.append(v)
+    return docs_out, seconds, names
+
+
+def insitu_cost_check(payload: dict) -> dict | None:
+    """How well the single-GPU calibration predicts microbatches in the sharded run, and an in-situ refit."""
+    import numpy as np
+
+    from odc_hf.balance.cost import QuadraticCostModel
+
+    docs, seconds, _ = microbatch_timings(payload)
+    if len(docs) < 6:
+        return None
+    t = np.asarray(seconds)
+    multi = np.array([len(d) > 1 for d in docs])
+    cal = payload["calibration"]
+    calibrated = QuadraticCostModel(a=cal["a"], b=cal["b"], c=cal["c"])
+    try:
+        refit = QuadraticCostModel.fit_microbatches(docs, seconds)
+    except ValueError:
+        return None
+
+    def errors(model):
+        pred = np.array([model.microbatch_cost(d) for d in docs])
+        rel = (pred - t) / t
+        out = {"median_abs": float(np.median(np.abs(rel)))}
+        for name, mask in (("single_doc", ~multi), ("multi_doc", multi)):
+            if mask.any():
+                out[f"{name}_median_signed"] = float(np.median(rel[mask]))
+        return out
+
+    return {
+        "microbatches": len(docs),
+        "multi_doc": int(multi.sum()),
+        "calibrated": {"a": cal["a"], "b": cal["b"], "c": cal["c"], **errors(calibrated)},
+        "in_situ": {"a": refit.a, "b": refit.b, "c": refit.c, **errors(refit)},
+    }
+
+
+def _acceptance(results: list[dict]) -> list[str]:
+    """The numbers the end-to-end issue's acceptance points are about, where this run has them."""
+    find = {(c["workload"], c["per_rank"]): c for c in results}
+    out = []
+    la, bal = find.get(("longalign", 4)), find.get(("balanced", 4))
+    if la and {"B", "D"} <= set(la["variants"]):
+        r = la["ratios"]["D_vs_B"]
+        out.append(f"- LongAlign-like, 4 per rank: D vs B **{r['measured']:.3f}x** (calibrated prediction "
+                   f"{r['predicted']:.3f}x, measured/predicted {r['measured'] / r['predicted']:.3f}); D efficiency "
+                   f"**{la['variants']['D']['efficiency']:.3f}** of the bound; peak memory D/B "
+                   f"**{la['variants']['D']['peak_memory_GiB'] / la['variants']['B']['peak_memory_GiB']:.3f}**")  # fmt: skip
+    if bal and {"B", "D"} <= set(bal["variants"]):
+        out.append(
+            f"- balanced (all {bal['mean_tokens']:.0f} tokens): D vs B **{bal['ratios']['D_vs_B']['measured']:.3f}x**"
+        )
+    return out + [""] if out else []
+
+
 def _iqr(values):
     q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3
     return [q[0], q[2]]
@@ -553,6 +640,13 @@ def render(payload: dict, out_dir) -> str:
         "transient allocation during the variant's steps, worst rank.\n",
         "Variants: " + "; ".join(f"**{k}** {d}" for k, d in DESCRIPTIONS.items()) + "\n",
     ]
+    lines += _acceptance(results)
+    for run in payload.get("runs", []):
+        c = run["calibration"]
+        lines.append(f"- run at commit `{run['env']['commit']}` ({run['env']['date']}): {', '.join(run['configs'])}; "
+                     f"calibration a={c['a']:.4g}, b={c['b']:.4g}, c={c['c']:.4g}")  # fmt: skip
+    if payload.get("runs"):
+        lines.append("")
     for cfg in results:
         lines.append(f"## {cfg['workload']}, {cfg['per_rank']} samples per rank "
                      f"(mean {cfg['mean_tokens']:.0f} tokens/sample, {cfg['steps']} measured steps, "
@@ -582,6 +676,20 @@ def render(payload: dict, out_dir) -> str:
             + ", ".join(f"{s['workload']}:{s['per_rank']}" for s in payload["skipped"])
             + "\n"
         )
+    check = insitu_cost_check(payload)
+    if check is not None:
+        cal, ins = check["calibrated"], check["in_situ"]
+        lines.append("## Cost model in the sharded run (ODC microbatches, C and D, after warm-up)\n")
+        lines.append(f"{check['microbatches']} microbatches ({check['multi_doc']} with several documents). Relative error "
+                     "of the predicted microbatch time, (predicted − measured) / measured:\n")  # fmt: skip
+        lines.append(
+            "| model | a | b | c | median abs. error | single-document median | multi-document median |"
+        )
+        lines.append("|---|---:|---:|---:|---:|---:|---:|")
+        for name, m in (("single-GPU calibration (used for planning)", cal), ("in-situ refit", ins)):
+            lines.append(f"| {name} | {m['a']:.4g} | {m['b']:.4g} | {m['c']:.4g} | {m['median_abs']:.3f} | "
+                         f"{_fmt(m.get('single_doc_median_signed'), '+.3f')} | {_fmt(m.get('multi_doc_median_signed'), '+.3f')} |")  # fmt: skip
+        lines.append("")
     lines.append("## Calibrated simulator: D vs B (compute + measured optimizer time) by world size\n")
     lines.append(
         "| workload | per rank | " + " | ".join(f"{w} GPUs" for w in SIM_WORLD_SIZES) + " | measured here |"
@@ -606,7 +714,7 @@ def render(payload: dict, out_dir) -> str:
     for image in images:
         lines.append(f"![{image.stem}]({image.name})")
     md = "\n".join(lines) + "\n"
-    payload_out = {**payload, "analysis": results, "simulator": sims}
+    payload_out = {**payload, "analysis": results, "simulator": sims, "insitu_cost_check": check}
     report.write(out_dir, stem, payload_out, md)
     return md
 
@@ -619,7 +727,7 @@ def _plots(payload, results, out: Path, stem: str) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(results)), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(results)) + 3, 4))
     width = 0.8 / len(VARIANTS)
     for k, v in enumerate(VARIANTS):
         xs = [i + (k - 1.5) * width for i, cfg in enumerate(results) if v in cfg["variants"]]
@@ -633,7 +741,7 @@ def _plots(payload, results, out: Path, stem: str) -> list[Path]:
     ax.set_xticks(range(len(results)), [f"{c['workload']}\n{c['per_rank']}/rank" for c in results])
     ax.set_ylabel("tokens / s / GPU")
     ax.set_title(f"SFT step throughput, {payload['world_size']} ranks")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path = out / f"{stem}_throughput.png"
     fig.savefig(path, dpi=120)
@@ -718,7 +826,9 @@ def merge(payloads: list[dict]) -> dict:
     for p in payloads:
         if p["world_size"] != merged["world_size"] or p["args"]["model"] != merged["args"]["model"]:
             raise ValueError("can only merge runs with the same model and world size")
-        merged["configs"] += p["configs"]
+        merged["configs"] += [
+            {**c, "calibration": c.get("calibration", p["calibration"])} for c in p["configs"]
+        ]
         done |= {(c["workload"], c["per_rank"]) for c in p["configs"]}
         merged["skipped"] += p.get("skipped", [])
     merged["skipped"] = [s for s in merged["skipped"] if (s["workload"], s["per_rank"]) not in done]

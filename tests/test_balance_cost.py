@@ -97,3 +97,22 @@ def test_calibrate_times_a_tiny_model_on_cpu(one_torch_thread):
     assert not model.training  # calibration restores the mode
     assert all(p.grad is None for p in model.parameters())
     assert "calibrated" in fitted.describe()
+
+
+def test_fit_microbatches_recovers_per_document_model():
+    import numpy as np
+
+    from odc_hf.balance.cost import QuadraticCostModel
+
+    truth = QuadraticCostModel(a=0.15, b=3e-5, c=6e-10)
+    rng = np.random.default_rng(0)
+    microbatches = [rng.integers(500, 16_000, size=rng.integers(1, 4)).tolist() for _ in range(40)]
+    seconds = [truth.microbatch_cost(mb) for mb in microbatches]
+    fitted = QuadraticCostModel.fit_microbatches(microbatches, seconds)
+    assert np.allclose([fitted.a, fitted.b, fitted.c], [truth.a, truth.b, truth.c], rtol=1e-6)
+    import pytest
+
+    with pytest.raises(ValueError, match="empty microbatch"):
+        QuadraticCostModel.fit_microbatches([[100], [], [300]], [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="2 microbatches but 1"):
+        QuadraticCostModel.fit_microbatches([[100], [200]], [1.0])

@@ -180,7 +180,38 @@ class QuadraticCostModel(CostModel):
             raise ValueError("fitting a + b·s + c·s² needs timings at >= 3 distinct lengths")
         if not np.all(np.isfinite(t)) or t.min() < 0:
             raise ValueError("seconds must be finite and >= 0")
-        columns = np.stack([np.ones_like(s), s, s * s], axis=1)
+        return cls._nnls(np.stack([np.ones_like(s), s, s * s], axis=1), t)
+
+    @classmethod
+    def fit_microbatches(
+        cls, microbatches: Sequence[Sequence[int]], seconds: Sequence[float]
+    ) -> QuadraticCostModel:
+        """Fit ``a + b·Σs + c·Σs²`` to measured microbatch times (in-situ calibration).
+
+        ``microbatches[i]`` holds the document lengths of a packed microbatch that took ``seconds[i]``
+        (forward + backward, as timed in training, so sharding, gathers and packing are included). The
+        single-GPU timings of :func:`calibrate` can misjudge packed rows in a sharded run; this fits the
+        cost the planner will actually see. Same non-negative least squares as :meth:`fit`.
+        """
+        t = np.asarray(seconds, dtype=np.float64)
+        if len(microbatches) != t.size:
+            raise ValueError(f"got {len(microbatches)} microbatches but {t.size} timings")
+        rows = []
+        for docs in microbatches:
+            d = as_lengths(list(docs), name="microbatch document lengths")
+            if d.size == 0:
+                raise ValueError("an empty microbatch has no cost to fit; drop dummy microbatches")
+            rows.append((1.0, d.sum(), float(np.sum(d * d))))
+        design = np.asarray(rows, dtype=np.float64).reshape(-1, 3)
+        if np.unique(design[:, 1]).size < 3:
+            raise ValueError("fitting needs microbatches of >= 3 distinct token counts")
+        if not np.all(np.isfinite(t)) or (t.size and t.min() < 0):
+            raise ValueError("seconds must be finite and >= 0")
+        return cls._nnls(design, t)
+
+    @classmethod
+    def _nnls(cls, columns: np.ndarray, t: np.ndarray) -> QuadraticCostModel:
+        """Exact NNLS over the 7 subsets of (a, b, c): solve each, keep the best with no negative coefficient."""
         scale = columns.max(axis=0)  # conditioning: s² reaches 1e9 and more
         design = columns / scale
         best, best_residual = None, np.inf
