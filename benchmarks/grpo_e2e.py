@@ -23,7 +23,9 @@ Generation phase: ``model.generate()`` (greedy, KV cache) on a few prompts of va
 to its own ``max_new_tokens``: FSDP2 collectives need ``synced_gpus=True`` (a finished rank keeps running dummy
 forwards, or the other would hang in the next all-gather); ODC runs ``synced_gpus=False``.
 Writes ``grpo_e2e_<model>_<hardware>_<date>.{json,md}`` under ``--out`` (default ``$OUT`` or benchmarks/results).
-Expected runtime on 2xH200 (estimated, not yet measured): ~1.5 min training phase, ~1 min generation phase.
+Runtime on 2xH200 (measured 2026-11-29, ``--warmup 1 --steps 8``): model setup plus 9 training steps per variant
+took most of 230 s (steps of 7-9 s per variant, the first 18 s); the generation phase did not finish inside that
+limit, so give the default run (2 + 10 steps, then generation) about 6-7 minutes.
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+for _k, _v in {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}.items():
     os.environ.setdefault(_k, _v)
 
 CALIBRATION = ROOT / "benchmarks" / "results" / "calibration_qwen2.5-1.5B_h200_design.json"
@@ -47,16 +53,26 @@ CALIBRATION = ROOT / "benchmarks" / "results" / "calibration_qwen2.5-1.5B_h200_d
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["tiny", "1.5B"], default=None, help="default: 1.5B on GPUs, tiny on CPU")
+    p.add_argument(
+        "--model", choices=["tiny", "1.5B"], default=None, help="default: 1.5B on GPUs, tiny on CPU"
+    )
     p.add_argument("--steps", type=int, default=10, help="measured steps per variant (after --warmup)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--per_device", type=int, default=2, help="TRL per_device_train_batch_size")
-    p.add_argument("--grad_accum", type=int, default=8, help="TRL gradient_accumulation_steps (= steps_per_generation)")
+    p.add_argument(
+        "--grad_accum", type=int, default=8, help="TRL gradient_accumulation_steps (= steps_per_generation)"
+    )
     p.add_argument("--max_length", type=int, default=None, help="sequence cap (default 8192; tiny: 512)")
-    p.add_argument("--cost_model", default=None, help="flop | calibration .json (default: 1.5B/H200 calibration on GPU)")
-    p.add_argument("--gen_new_tokens", default=None, help="per-rank max_new_tokens, comma-separated (default 64,256)")
+    p.add_argument(
+        "--cost_model", default=None, help="flop | calibration .json (default: 1.5B/H200 calibration on GPU)"
+    )
+    p.add_argument(
+        "--gen_new_tokens", default=None, help="per-rank max_new_tokens, comma-separated (default 64,256)"
+    )
     p.add_argument("--gen_prompts", type=int, default=4, help="prompts per rank in the generation phase")
-    p.add_argument("--gen_repeats", type=int, default=2, help="measured generate() calls per variant (after one warm-up)")
+    p.add_argument(
+        "--gen_repeats", type=int, default=2, help="measured generate() calls per variant (after one warm-up)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     p.add_argument("--timeout_s", type=float, default=900)
@@ -78,7 +94,13 @@ def rollouts(step: int, num: int, cap: int, vocab: int, seed: int):
     for i in range(num):
         p, c = int(prompt[i]), int(total[i] - prompt[i])
         ids = rng.integers(10, vocab, size=p + c)
-        out.append({"prompt": ids[:p], "completion": ids[p:], "advantage": float(rng.choice([-1.0, 1.0]) * rng.random())})
+        out.append(
+            {
+                "prompt": ids[:p],
+                "completion": ids[p:],
+                "advantage": float(rng.choice([-1.0, 1.0]) * rng.random()),
+            }
+        )
     return out
 
 
@@ -237,7 +259,9 @@ def _rank(rank: int, world: int, args):
                   flush=True)  # fmt: skip
 
     # -- generation phase -------------------------------------------------------------------------------------------
-    new_tokens = [int(x) for x in (args.gen_new_tokens or ("64,256" if args.model == "1.5B" else "8,32")).split(",")]
+    new_tokens = [
+        int(x) for x in (args.gen_new_tokens or ("64,256" if args.model == "1.5B" else "8,32")).split(",")
+    ]
     new = new_tokens[rank % len(new_tokens)]
     gen = torch.Generator().manual_seed(1000 + rank)
     lo, hi = (100, 300) if args.model == "1.5B" else (8, 40)
@@ -268,6 +292,10 @@ def _rank(rank: int, world: int, args):
             row = torch.tensor([mine, made], dtype=torch.float64, device=device)
             rows = [torch.zeros_like(row) for _ in range(world)]
             dist.all_gather(rows, row)
+            if rank == 0:  # printed as it goes: a run cut short still leaves these numbers in the log
+                print(f"generate {kind} call {repeat}{' (warm-up)' if not repeat else ''}: per-rank s "
+                      f"{[round(float(r[0]), 3) for r in rows]}, new tokens {sum(float(r[1]) for r in rows):.0f}",
+                      flush=True)  # fmt: skip
             if repeat:
                 runs.append({"rank_s": [float(r[0]) for r in rows], "tokens": sum(float(r[1]) for r in rows)})
         generation[kind] = runs
@@ -290,7 +318,11 @@ def summarise(result: dict, args) -> dict:
                      "tokens_per_s_median": statistics.median(tps), "busy_fraction_mean": statistics.mean(busy)}  # fmt: skip
     out["speedup_tokens_per_s"] = out["odc"]["tokens_per_s_median"] / out["fsdp"]["tokens_per_s_median"]
     per_step = [s["fsdp"]["step_s"] / s["odc"]["step_s"] for s in measured]
-    out["speedup_per_step"] = {"median": statistics.median(per_step), "min": min(per_step), "max": max(per_step)}
+    out["speedup_per_step"] = {
+        "median": statistics.median(per_step),
+        "min": min(per_step),
+        "max": max(per_step),
+    }
     out["max_rel_loss_diff"] = max(abs(s["odc"]["loss"] - s["fsdp"]["loss"]) / max(abs(s["fsdp"]["loss"]), 1e-12)
                                    for s in result["steps"])  # fmt: skip
     gen = {}
