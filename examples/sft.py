@@ -38,6 +38,11 @@ def parse_args(argv=None):
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--output_dir", default="output/sft")
+    p.add_argument(
+        "--attn_implementation",
+        default="sdpa_varlen",
+        help="sdpa_varlen (per-document SDPA on packed rows, odc_hf.attention), flash_attention_2, sdpa, ...",
+    )
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -75,17 +80,22 @@ def build_model(args, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
+    import odc_hf.attention  # noqa: F401 - registers "sdpa_varlen"
     from odc_hf.data import tiny_qwen2_model
     from odc_hf.workloads import qwen2_5_config
 
     if args.model_name_or_path:
-        return AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path, dtype=torch.float32, attn_implementation=args.attn_implementation
+        )
     if args.model_shape == "tiny":
-        return tiny_qwen2_model(tokenizer, seed=args.seed)
+        model = tiny_qwen2_model(tokenizer, seed=args.seed)
+        model.set_attn_implementation(args.attn_implementation)
+        return model
     config = qwen2_5_config(args.model_shape)
     config.tie_word_embeddings = args.model_shape == "1.5B"  # as the released Qwen2.5 models
     config.use_cache = False
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = args.attn_implementation
     torch.manual_seed(args.seed)
     # Random init of a billion parameters is slow on a CPU: build on this rank's GPU (same seed on every rank).
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
