@@ -41,11 +41,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-for _k, _v in {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}.items():
+from odc_hf.run import SAFE_GPU_ENV  # noqa: E402 - after the sys.path setup
+
+for _k, _v in SAFE_GPU_ENV.items():
     os.environ.setdefault(_k, _v)
 
 CALIBRATION = ROOT / "benchmarks" / "results" / "calibration_qwen2.5-1.5B_h200_design.json"

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
-import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -30,9 +28,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model_name_or_path", default=None, help="hub model or local directory (default: tiny model)")
-    p.add_argument("--trainer", choices=["odc", "trl"], default="odc", help="trl: GRPOTrainer with collectives")
-    p.add_argument("--loss_type", default="dapo", help="dapo | grpo | bnpo | dr_grpo, or a comma-separated list")
+    p.add_argument(
+        "--model_name_or_path", default=None, help="hub model or local directory (default: tiny model)"
+    )
+    p.add_argument(
+        "--trainer", choices=["odc", "trl"], default="odc", help="trl: GRPOTrainer with collectives"
+    )
+    p.add_argument(
+        "--loss_type", default="dapo", help="dapo | grpo | bnpo | dr_grpo, or a comma-separated list"
+    )
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds a reference model)")
     p.add_argument("--num_prompts", type=int, default=256)
     p.add_argument("--num_generations", type=int, default=4)
@@ -47,30 +51,15 @@ def parse_args(argv=None):
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report_to", default="none")
-    p.add_argument("--fixed_rollouts", action="store_true", help="deterministic completions instead of generate()")
+    p.add_argument(
+        "--fixed_rollouts", action="store_true", help="deterministic completions instead of generate()"
+    )
     # ODC options (also settable as ODC_* environment variables)
     p.add_argument("--balance", choices=["lb_mini", "lb_micro", "none"], default=None)
     p.add_argument("--cost_model", default=None, help="flop | tokens | calibration.json")
     p.add_argument("--max_tokens_per_microbatch", type=int, default=None)
     p.add_argument("--losses_json", default=None, help="write per-step losses and microbatch counts here")
     return p.parse_args(argv)
-
-
-def relaunch_if_needed(argv: list[str]) -> None:
-    """``python examples/grpo.py`` on a fresh machine: start 2 processes with the right accelerate config."""
-    if "RANK" in os.environ or "LOCAL_RANK" in os.environ or os.environ.get("ODC_NO_RELAUNCH"):
-        return
-    import torch
-
-    config = "odc.yaml" if torch.cuda.device_count() >= 2 else "cpu.yaml"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / config), "--num_processes", "2", __file__, *argv]  # fmt: skip
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "ODC_NO_RELAUNCH": "1"}  # fmt: skip
-    if config == "cpu.yaml":
-        env["ACCELERATE_USE_CPU"] = "true"  # see accelerate_configs/cpu.yaml
-    print(f"odc_hf: launching 2 processes with accelerate_configs/{config}", flush=True)
-    sys.exit(subprocess.call(cmd, env=env))
 
 
 # -- the task: arithmetic prompts, a programmatic reward ---------------------------------------------------------
@@ -209,5 +198,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    relaunch_if_needed(sys.argv[1:])
+    from odc_hf.run import relaunch_if_needed
+
+    relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs")
     main()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -57,23 +56,6 @@ def parse_args(argv=None):
     p.add_argument("--max_tokens_per_microbatch", type=int, default=None)
     p.add_argument("--losses_json", default=None, help="write per-step losses and microbatch counts here")
     return p.parse_args(argv)
-
-
-def relaunch_if_needed(argv: list[str]) -> None:
-    """``python examples/sft.py`` on a fresh machine: start 2 processes with the right accelerate config."""
-    if "RANK" in os.environ or "LOCAL_RANK" in os.environ or os.environ.get("ODC_NO_RELAUNCH"):
-        return
-    import torch
-
-    config = "odc.yaml" if torch.cuda.device_count() >= 2 else "cpu.yaml"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / config), "--num_processes", "2", __file__, *argv]  # fmt: skip
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "ODC_NO_RELAUNCH": "1"}  # fmt: skip
-    if config == "cpu.yaml":
-        env["ACCELERATE_USE_CPU"] = "true"  # see accelerate_configs/cpu.yaml
-    print(f"odc_hf: launching 2 processes with accelerate_configs/{config}", flush=True)
-    sys.exit(subprocess.call(cmd, env=env))
 
 
 def build_model(args, tokenizer):
@@ -177,5 +159,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    relaunch_if_needed(sys.argv[1:])
+    from odc_hf.run import relaunch_if_needed
+
+    relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs")
     main()

@@ -11,7 +11,36 @@ from __future__ import annotations
 
 import os
 import runpy
+import subprocess
 import sys
+from pathlib import Path
+
+SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def relaunch_if_needed(
+    script: str, argv: list[str], *, config_dir: str | os.PathLike, processes: int = 2
+) -> None:
+    """Re-run ``script`` under ``accelerate launch`` with ``processes`` processes, unless already launched.
+
+    What ``python examples/sft.py`` does on a fresh machine: ``odc.yaml`` from ``config_dir`` when there are
+    enough GPUs, else ``cpu.yaml`` (which needs ``ACCELERATE_USE_CPU=true``, set here). NVLink multicast stays
+    off in the children. Returns only when already inside a launched process; otherwise exits with the
+    launch's status.
+    """
+    if "RANK" in os.environ or "LOCAL_RANK" in os.environ or os.environ.get("ODC_NO_RELAUNCH"):
+        return
+    import torch
+
+    config = "odc.yaml" if torch.cuda.device_count() >= processes else "cpu.yaml"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(Path(config_dir) / config),
+           "--num_processes", str(processes), script, *argv]  # fmt: skip
+    env = {**os.environ, **SAFE_GPU_ENV, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "ODC_NO_RELAUNCH": "1"}  # fmt: skip
+    if config == "cpu.yaml":
+        env["ACCELERATE_USE_CPU"] = "true"  # see accelerate_configs/cpu.yaml
+    print(f"odc_hf: launching {processes} processes with {Path(config_dir).name}/{config}", flush=True)
+    sys.exit(subprocess.call(cmd, env=env))
 
 
 def main(argv: list[str] | None = None) -> None:
