@@ -583,13 +583,18 @@ def _iqr(values):
     return [q[0], q[2]]
 
 
-def simulate_scaling(payload: dict, workload: str, per_rank: int, num_minibatches: int = 16) -> dict:
-    """Calibrated-simulator D-vs-B ratio (compute + optimizer time) at the SIM_WORLD_SIZES, for one config."""
+def simulate_scaling(
+    payload: dict, workload: str, per_rank: int, num_minibatches: int = 16, coefficients: dict | None = None
+) -> dict:
+    """Simulated D-vs-B ratio (compute + optimizer time) at the SIM_WORLD_SIZES, for one config.
+
+    The cost model is the run's calibration, or ``coefficients`` ({"a", "b", "c"}, e.g. the in-situ refit).
+    """
     from odc_hf.balance.cost import QuadraticCostModel
     from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
     from odc_hf.workloads import generate_lengths
 
-    cal = payload["calibration"]
+    cal = coefficients or payload["calibration"]
     cost_model = QuadraticCostModel(a=cal["a"], b=cal["b"], c=cal["c"])
     args = payload["args"]
     budget = args["max_tokens"]
@@ -690,19 +695,26 @@ def render(payload: dict, out_dir) -> str:
             lines.append(f"| {name} | {m['a']:.4g} | {m['b']:.4g} | {m['c']:.4g} | {m['median_abs']:.3f} | "
                          f"{_fmt(m.get('single_doc_median_signed'), '+.3f')} | {_fmt(m.get('multi_doc_median_signed'), '+.3f')} |")  # fmt: skip
         lines.append("")
-    lines.append("## Calibrated simulator: D vs B (compute + measured optimizer time) by world size\n")
+    lines.append("## Simulator: D vs B (compute + measured optimizer time) by world size\n")
     lines.append(
-        "| workload | per rank | " + " | ".join(f"{w} GPUs" for w in SIM_WORLD_SIZES) + " | measured here |"
+        "| workload | per rank | cost model | "
+        + " | ".join(f"{w} GPUs" for w in SIM_WORLD_SIZES)
+        + " | measured here |"
     )
-    lines.append("|---|---:|" + "---:|" * (len(SIM_WORLD_SIZES) + 1))
+    lines.append("|---|---:|---|" + "---:|" * (len(SIM_WORLD_SIZES) + 1))
     sims = {}
     for cfg in results:
         if cfg["workload"] == "balanced" or "D_vs_B" not in cfg["ratios"]:
             continue
-        sim = simulate_scaling(payload, cfg["workload"], cfg["per_rank"])
-        sims[f"{cfg['workload']}:{cfg['per_rank']}"] = sim
-        lines.append(f"| {cfg['workload']} | {cfg['per_rank']} | " + " | ".join(f"{sim[w]:.3f}" for w in SIM_WORLD_SIZES)
-                     + f" | {cfg['ratios']['D_vs_B']['measured']:.3f} ({W} GPUs) |")  # fmt: skip
+        models = [("calibration", None)]
+        if check is not None:
+            models.append(("in-situ refit", check["in_situ"]))
+        for model_name, coefficients in models:
+            sim = simulate_scaling(payload, cfg["workload"], cfg["per_rank"], coefficients=coefficients)
+            sims[f"{cfg['workload']}:{cfg['per_rank']}:{model_name}"] = sim
+            lines.append(f"| {cfg['workload']} | {cfg['per_rank']} | {model_name} | "
+                         + " | ".join(f"{sim[w]:.3f}" for w in SIM_WORLD_SIZES)
+                         + f" | {cfg['ratios']['D_vs_B']['measured']:.3f} ({W} GPUs) |")  # fmt: skip
     lines.append("\nThe 2-GPU column uses fresh samples from the same generator; the per-config tables above give the "
                  "prediction for the exact measured samples.\n")  # fmt: skip
     stem = f"sft_e2e_{report.hardware_tag(env)}_{env['date'][:10]}{payload['args'].get('tag', '')}"
