@@ -116,3 +116,29 @@ def test_fit_microbatches_recovers_per_document_model():
         QuadraticCostModel.fit_microbatches([[100], [], [300]], [1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="2 microbatches but 1"):
         QuadraticCostModel.fit_microbatches([[100], [200]], [1.0])
+
+
+def test_trainer_reads_every_cost_model_json_form(tmp_path):
+    """ODCConfig(cost_model=<json>): coefficients, single-document timings, or a run's microbatch timings."""
+    import json
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from odc_hf.balance.cost import QuadraticCostModel
+    from odc_hf.config import ODCConfig
+    from odc_hf.integrations.trainer import ODCMixin
+
+    truth = QuadraticCostModel(a=0.1, b=2e-5, c=5e-10)
+    microbatches = [[1000], [4000, 2000], [8000], [3000, 3000, 500], [16000]]
+    forms = {
+        "coefficients": {"a": 0.1, "b": 2e-5, "c": 5e-10},
+        "timings": {"lengths": [1000, 4000, 8000, 16000], "seconds": [truth.microbatch_cost([s]) for s in (1000, 4000, 8000, 16000)]},
+        "run": {"microbatches": microbatches, "seconds": [truth.microbatch_cost(mb) for mb in microbatches]},
+    }  # fmt: skip
+    for name, data in forms.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        trainer = SimpleNamespace(odc_config=ODCConfig(cost_model=str(path)))
+        model = ODCMixin._odc_cost_model(trainer)
+        assert np.allclose([model.a, model.b, model.c], [truth.a, truth.b, truth.c], rtol=1e-6), name

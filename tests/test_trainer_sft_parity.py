@@ -42,3 +42,13 @@ def test_odc_lb_mini_matches_fsdp_collectives_step_by_step(tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
     assert odc["summary"]["odc/bubble_rate"] >= 0.0
     assert (tmp_path / "odc" / "odc_timeline.png").stat().st_size > 0
+    # the run's own microbatch costs, fitted, usable as the next run's cost_model
+    timings = json.loads((tmp_path / "odc" / "odc_microbatch_timings.json").read_text())
+    assert len(timings["microbatches"]) == len(timings["seconds"]) > 0
+    assert all(t > 0 for t in timings["seconds"]) and all(
+        all(n > 0 for n in mb) for mb in timings["microbatches"]
+    )
+    assert {"a", "b", "c"} <= timings.keys() or "fit_error" in timings
+    assert not (
+        tmp_path / "fsdp" / "odc_microbatch_timings.json"
+    ).exists()  # collectives: waits would pollute it

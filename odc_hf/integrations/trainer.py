@@ -137,6 +137,7 @@ class ODCMixin:
             odc_config = odc_config_from_args(training_args)
         self.odc_config = odc_config
         self.odc_stats = RunStats()
+        self.odc_microbatch_timings: list[tuple[list[int], float]] = []
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
 
@@ -171,7 +172,11 @@ class ODCMixin:
             return QuadraticCostModel(a=data["a"], b=data["b"], c=data["c"])
         if "lengths" in data and "seconds" in data:  # raw timings: fit them
             return QuadraticCostModel.fit(data["lengths"], data["seconds"])
-        raise ValueError(f"{choice}: expected a JSON object with a, b, c (or lengths and seconds to fit)")
+        if "microbatches" in data and "seconds" in data:  # a run's odc_microbatch_timings.json
+            return QuadraticCostModel.fit_microbatches(data["microbatches"], data["seconds"])
+        raise ValueError(
+            f"{choice}: expected a JSON object with a, b, c (or lengths and seconds, or microbatches and seconds, to fit)"
+        )
 
     def get_train_dataloader(self) -> DataLoader:
         dataset = self.train_dataset
@@ -245,6 +250,7 @@ class ODCMixin:
         real_accelerator = self.accelerator
         self.accelerator = _LocalGathers(real_accelerator)
         guard = self.odc.failure_guard() if self.odc is not None else contextlib.nullcontext()
+        clock = _MicrobatchClock(device) if self._odc_time_microbatches() else None
         try:
             with guard:  # a rank that raises tells its peers at once instead of leaving them to time out
                 for microbatch in inputs.microbatches:
@@ -255,11 +261,16 @@ class ODCMixin:
                         loss = self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
                     real_accelerator.backward(loss)
                     loss_sum += loss.detach()
+                    if clock is not None:
+                        clock.lap(_document_lengths(microbatch))
         finally:
             self.accelerator = real_accelerator
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         busy = time.perf_counter() - start
+        if clock is not None:
+            self.odc_microbatch_timings.extend(clock.laps())
+            del self.odc_microbatch_timings[: -self.ODC_MAX_TIMINGS]
         if self.odc is not None:
             self.odc.finish_minibatch(inputs.label_tokens)
         wait = time.perf_counter() - start - busy
@@ -267,6 +278,14 @@ class ODCMixin:
         self.odc_after_bundle(snapshot)
         # Trainer logs the mean over ranks of what we return: scale so that it is the global loss.
         return loss_sum * self.accelerator.num_processes
+
+    ODC_MAX_TIMINGS = 20_000
+    """Microbatch timings kept per rank for ``odc_microbatch_timings.json`` (the most recent)."""
+    ODC_TIMING_WARMUP_STEPS = 2
+    """Optimizer steps whose microbatches are not timed (kernel compilation, allocator warm-up)."""
+
+    def _odc_time_microbatches(self) -> bool:
+        return self.odc is not None and self.state.global_step >= self.ODC_TIMING_WARMUP_STEPS
 
     def _odc_record(self, busy: float, wait: float, bundle: Bundle) -> None:
         row = torch.tensor([busy, wait, len(bundle.microbatches), bundle.input_tokens], dtype=torch.float64,
@@ -341,7 +360,42 @@ class ODCMixin:
             logs = {**logs, **{k: round(v, 4) for k, v in window.items()}}
         return super().log(logs, *args, **kwargs)
 
+    def _odc_write_timings(self) -> None:
+        """Gather every rank's microbatch timings; the main process writes them with a cost model fitted to them.
+
+        ``<output_dir>/odc_microbatch_timings.json`` holds ``microbatches`` (document lengths), ``seconds`` and,
+        when they allow a fit, ``a``, ``b``, ``c``: pass the file as ``cost_model`` in the next run to balance with
+        the costs this run measured (sharding, packing and kernels included).
+        """
+        if self.odc is None:  # same on every rank: the collective below runs everywhere or nowhere
+            return
+        timings = list(self.odc_microbatch_timings)
+        if self.accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            gathered: list = [None] * self.accelerator.num_processes
+            dist.all_gather_object(gathered, timings)
+            timings = [t for part in gathered for t in part]
+        if not timings or not self.accelerator.is_main_process:
+            return
+        payload: dict = {
+            "microbatches": [docs for docs, _ in timings],
+            "seconds": [seconds for _, seconds in timings],
+            "device": str(self.accelerator.device),
+            "warmup_steps_skipped": self.ODC_TIMING_WARMUP_STEPS,
+        }
+        try:
+            fitted = QuadraticCostModel.fit_microbatches(payload["microbatches"], payload["seconds"])
+            payload.update(a=fitted.a, b=fitted.b, c=fitted.c)
+            logger.info("odc_hf: microbatch costs of this run fit %s", fitted.describe())
+        except ValueError as err:
+            payload["fit_error"] = str(err)
+        path = Path(self.args.output_dir) / "odc_microbatch_timings.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload))
+
     def odc_finish_run(self) -> None:
+        self._odc_write_timings()
         summary = self.odc_stats.total()
         if not summary or not self.accelerator.is_main_process:
             return
@@ -349,6 +403,53 @@ class ODCMixin:
         if self.odc_config.log_timeline:
             path = plot_timeline(self.odc_stats.steps[-50:], Path(self.args.output_dir) / "odc_timeline.png")
             logger.info("odc_hf: timeline written to %s", path)
+
+
+def _document_lengths(microbatch: Mapping) -> list[int]:
+    """Token counts of the documents packed in a collated microbatch.
+
+    [] (not timed) for an empty dummy microbatch and for batches that are not packed rows (no ``cu_seq_lens_q``,
+    e.g. GRPO's padded microbatches), whose cost is not a sum over documents.
+    """
+    if microbatch.get("num_label_tokens", 1) == 0 and microbatch["input_ids"].numel() <= 1:
+        return []
+    bounds = microbatch.get("cu_seq_lens_q")
+    if bounds is None:
+        return []
+    offsets = [int(x) for x in bounds.tolist()]
+    return [b - a for a, b in zip(offsets, offsets[1:]) if b > a]
+
+
+class _MicrobatchClock:
+    """Forward+backward time of each microbatch: CUDA events (read after the step's sync), perf_counter on CPU.
+
+    Under ODC a rank never waits for a peer inside a minibatch, so these are the microbatches' own costs.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = [self._mark()]
+        self.docs: list[list[int]] = []
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def lap(self, docs: list[int]) -> None:
+        self.marks.append(self._mark())
+        self.docs.append(docs)
+
+    def laps(self) -> list[tuple[list[int], float]]:
+        """(document lengths, seconds) per real microbatch; call after the device is synchronised."""
+        out = []
+        for docs, a, b in zip(self.docs, self.marks, self.marks[1:]):
+            seconds = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            if docs:
+                out.append((docs, seconds))
+        return out
 
 
 def make_odc_trainer(trainer_cls: type[Trainer]) -> type[Trainer]:
