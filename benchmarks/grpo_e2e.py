@@ -256,6 +256,11 @@ def _rank(rank: int, world: int, args):
                   f"(microbatches {row['odc']['microbatches']}), loss {row['fsdp']['loss']:.6f} / {row['odc']['loss']:.6f}",
                   flush=True)  # fmt: skip
 
+    if rank == 0:  # keep the training phase even if the generation phase does not finish
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        partial = Path(args.out) / f"grpo_e2e_{args.model}.training_phase.json"
+        partial.write_text(json.dumps({"args": vars(args), "steps": steps, "cost_model": cost_name}, default=str))
+
     # -- generation phase -------------------------------------------------------------------------------------------
     new_tokens = [
         int(x) for x in (args.gen_new_tokens or ("64,256" if args.model == "1.5B" else "8,32")).split(",")
