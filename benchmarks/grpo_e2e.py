@@ -257,9 +257,10 @@ def _rank(rank: int, world: int, args):
                   flush=True)  # fmt: skip
 
     if rank == 0:  # keep the training phase even if the generation phase does not finish
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        partial = Path(args.out) / f"grpo_e2e_{args.model}.training_phase.json"
-        partial.write_text(json.dumps({"args": vars(args), "steps": steps, "cost_model": cost_name}, default=str))
+        from report import write_json
+
+        write_json(Path(args.out) / f"grpo_e2e_{args.model}.training_phase.json",
+                   {"args": vars(args), "steps": steps, "cost_model": cost_name})  # fmt: skip
 
     # -- generation phase -------------------------------------------------------------------------------------------
     new_tokens = [

@@ -68,12 +68,24 @@ def env_markdown(env: dict) -> str:
     )
 
 
+def portable(text: str) -> str:
+    """``text`` with the run's own output folder written as ``$OUT``: results name no machine's paths."""
+    out = os.environ.get("OUT")
+    return text.replace(out.rstrip("/"), "$OUT") if out and len(out.strip("/")) > 1 else text
+
+
+def write_json(path: str | os.PathLike, payload: dict, *, indent: int | None = 2) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(portable(json.dumps(payload, indent=indent, default=str)))
+    return path
+
+
 def write(out_dir: str | os.PathLike, stem: str, payload: dict, markdown: str) -> tuple[Path, Path]:
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
-    json_path.write_text(json.dumps(payload, indent=2, default=str))
-    md_path.write_text(markdown)
+    json_path = write_json(out / f"{stem}.json", payload)
+    md_path = out / f"{stem}.md"
+    md_path.write_text(portable(markdown))
     return json_path, md_path
 
 

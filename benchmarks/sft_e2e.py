@@ -51,20 +51,19 @@ H200_PEAK_TFLOPS = 989.0
 SIM_WORLD_SIZES = (2, 8, 16, 32, 64)
 
 
-def _tiny_shape() -> dict:
-    return dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=512)  # fmt: skip
-
-
 def _config(args):
-    from transformers import Qwen2Config
-
+    """Qwen2.5-shaped config (or odc_hf's tiny one for CPU runs) with per-document attention on packed rows."""
     from odc_hf.attention import VARLEN_ATTENTION
-    from odc_hf.workloads import QWEN2_5_SHAPES
+    from odc_hf.data import tiny_qwen2_config
+    from odc_hf.workloads import qwen2_5_config
 
-    shape = _tiny_shape() if args.model == "tiny" else QWEN2_5_SHAPES[args.model]
-    config = Qwen2Config(**shape, tie_word_embeddings=True, use_cache=False,
-                         max_position_embeddings=max(32768, args.max_tokens))  # fmt: skip
+    max_positions = max(32768, args.max_tokens)
+    if args.model == "tiny":
+        config = tiny_qwen2_config(512, max_position_embeddings=max_positions)
+    else:
+        config = qwen2_5_config(args.model)
+        config.tie_word_embeddings, config.use_cache = True, False
+        config.max_position_embeddings = max_positions
     config._attn_implementation = VARLEN_ATTENTION
     return config
 
@@ -109,6 +108,7 @@ def trl_rows(lengths, budget: int) -> list[list[int]]:
 
 def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants) -> dict:
     """Per variant, each rank's microbatches (lists of positions in ``lengths``) and the Plan when there is one."""
+    from odc_hf.balance.plan import Plan
     from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
 
     out = {}
@@ -123,30 +123,15 @@ def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants) 
             rows = trl_rows(lengths, budget)
             dealt = [rows[r::world_size] for r in range(world_size)]
             width = max(len(d) for d in dealt)
-            out[v] = ([d + [[] for _ in range(width - len(d))] for d in dealt], None)
+            dealt = [d + [[] for _ in range(width - len(d))] for d in dealt]
+            costs = [[cost_model.microbatch_cost(lengths[mb]) for mb in mbs] for mbs in dealt]
+            plan = Plan(mode="trl_packing", microbatches=dealt, microbatch_costs=costs,
+                        lower_bound=micro.lower_bound, cost_model=cost_model.describe())  # fmt: skip
+            out[v] = (dealt, plan)
     return out
 
 
 # -- one rank ---------------------------------------------------------------------------------------------
-class _Clock:
-    """CUDA events on GPUs (device time, no host sync inside a step), perf_counter on CPU."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def mark(self):
-        import torch
-
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
-
-
 def _static_bytes(model, optimizer, odc) -> int:
     total = 0
     for p in model.parameters():
@@ -301,10 +286,11 @@ def _run(rank, world_size, args):
     from benchmarks import report
     from odc_hf.balance import BundleCollator
     from odc_hf.balance.cost import FlopCostModel
+    from odc_hf.integrations.stats import DeviceClock
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    clock = _Clock(cuda)
+    clock = DeviceClock(device)
     config = _config(args)
     began = time.monotonic()
     env = report.environment() if rank == 0 else None
@@ -340,9 +326,7 @@ def _run(rank, world_size, args):
         num_steps = args.warmup + args.steps
         lengths = step_lengths(args, workload, per_rank, world_size, num_steps)
         plans = [plans_for_step(ls, world_size, budget, cost_model, variants) for ls in lengths]
-        estimate = sum(
-            _predicted(p, v, ls, cost_model, world_size)[0] for p, ls in zip(plans, lengths) for v in variants
-        )
+        estimate = sum(_predicted(p, v)[0] for p in plans for v in variants)
         go = torch.tensor([1.0 if time.monotonic() - began + 1.3 * estimate + 20 < args.time_budget else 0.0],
                           device=device)  # fmt: skip
         dist.broadcast(go, 0)
@@ -378,7 +362,7 @@ def _run(rank, world_size, args):
                 "flops": [float(flops.doc_costs(np.minimum(ls, budget)).sum()) for ls in lengths],
                 "single_gpu_s": [float(cost_model.doc_costs(np.minimum(ls, budget)).sum()
                                        + cost_model.a * ls.size) for ls in lengths],
-                "predicted": {v: [_predicted(p, v, ls, cost_model, world_size) for p, ls in zip(plans, lengths)]
+                "predicted": {v: [_predicted(p, v) for p in plans]
                               for v in variants},
                 "records": [r for part in gathered for r in part],
             }  # fmt: skip
@@ -400,22 +384,11 @@ def _run(rank, world_size, args):
     return payload if rank == 0 else None
 
 
-def _predicted(plan_entry: dict, variant: str, lengths, cost_model, world_size: int) -> tuple[float, float]:
-    """(predicted step compute seconds, predicted bubble) of one variant's plan under its semantics."""
-    import numpy as np
-
-    microbatches, plan = plan_entry[variant]
-    if plan is not None:
-        semantics = "fsdp" if variant in ("A", "B") else "odc"
-        return plan.predicted_time(semantics), plan.predicted_bubble(semantics)
-    eff = np.asarray(lengths)
-    costs = np.zeros((world_size, max(len(m) for m in microbatches)))
-    for r, mbs in enumerate(microbatches):
-        for j, mb in enumerate(mbs):
-            if mb:
-                costs[r, j] = cost_model.a + float(cost_model.doc_costs(eff[mb]).sum())
-    step = float(costs.max(axis=0).sum())
-    return step, (0.0 if step <= 0 else float(1 - costs.sum(axis=1).mean() / step))
+def _predicted(plan_entry: dict, variant: str) -> tuple[float, float]:
+    """(predicted step compute seconds, predicted bubble) of one variant's plan: FSDP semantics for A and B."""
+    plan = plan_entry[variant][1]
+    semantics = "fsdp" if variant in ("A", "B") else "odc"
+    return plan.predicted_time(semantics), plan.predicted_bubble(semantics)
 
 
 # -- analysis and report ----------------------------------------------------------------------------------
@@ -584,7 +557,13 @@ def _iqr(values):
 
 
 def simulate_scaling(
-    payload: dict, workload: str, per_rank: int, num_minibatches: int = 16, coefficients: dict | None = None
+    payload: dict,
+    workload: str,
+    per_rank: int,
+    *,
+    optimizer_s: float = 0.0,
+    num_minibatches: int = 16,
+    coefficients: dict | None = None,
 ) -> dict:
     """Simulated D-vs-B ratio (compute + optimizer time) at the SIM_WORLD_SIZES, for one config.
 
@@ -598,10 +577,6 @@ def simulate_scaling(
     cost_model = QuadraticCostModel(a=cal["a"], b=cal["b"], c=cal["c"])
     args = payload["args"]
     budget = args["max_tokens"]
-    opt = 0.0
-    for cfg in analyse(payload):
-        if cfg["workload"] == workload and cfg["per_rank"] == per_rank and "D" in cfg["variants"]:
-            opt = cfg["variants"]["D"]["optimizer_s"] or 0.0
     out = {}
     for W in SIM_WORLD_SIZES:
         size = W * per_rank
@@ -609,8 +584,10 @@ def simulate_scaling(
         fsdp = odc = 0.0
         for m in range(num_minibatches):
             batch = lengths[m * size : (m + 1) * size]
-            fsdp += plan_lb_micro(batch, W, budget, cost_model, truncate=True).predicted_fsdp_time + opt
-            odc += plan_lb_mini(batch, W, budget, cost_model, truncate=True).predicted_odc_time + opt
+            fsdp += (
+                plan_lb_micro(batch, W, budget, cost_model, truncate=True).predicted_fsdp_time + optimizer_s
+            )
+            odc += plan_lb_mini(batch, W, budget, cost_model, truncate=True).predicted_odc_time + optimizer_s
         out[W] = fsdp / odc
     return out
 
@@ -710,14 +687,15 @@ def render(payload: dict, out_dir) -> str:
         if check is not None:
             models.append(("in-situ refit", check["in_situ"]))
         for model_name, coefficients in models:
-            sim = simulate_scaling(payload, cfg["workload"], cfg["per_rank"], coefficients=coefficients)
+            sim = simulate_scaling(payload, cfg["workload"], cfg["per_rank"], coefficients=coefficients,
+                                   optimizer_s=cfg["variants"]["D"]["optimizer_s"] or 0.0)  # fmt: skip
             sims[f"{cfg['workload']}:{cfg['per_rank']}:{model_name}"] = sim
             lines.append(f"| {cfg['workload']} | {cfg['per_rank']} | {model_name} | "
                          + " | ".join(f"{sim[w]:.3f}" for w in SIM_WORLD_SIZES)
                          + f" | {cfg['ratios']['D_vs_B']['measured']:.3f} ({W} GPUs) |")  # fmt: skip
     lines.append("\nThe 2-GPU column uses fresh samples from the same generator; the per-config tables above give the "
                  "prediction for the exact measured samples.\n")  # fmt: skip
-    stem = f"sft_e2e_{report.hardware_tag(env)}_{env['date'][:10]}{payload['args'].get('tag', '')}"
+    stem = _stem(payload)
     images = []
     try:
         images = _plots(payload, results, Path(out_dir), stem)
@@ -849,12 +827,18 @@ def merge(payloads: list[dict]) -> dict:
     return merged
 
 
+def _stem(payload: dict) -> str:
+    from benchmarks import report
+
+    env = payload["env"]
+    return f"sft_e2e_{report.hardware_tag(env)}_{env['date'][:10]}{payload['args'].get('tag', '')}"
+
+
 def _write(payload: dict, out_dir, *, final: bool) -> None:
     from benchmarks import report
 
-    stem = f"sft_e2e_{report.hardware_tag(payload['env'])}_{payload['env']['date'][:10]}{payload['args'].get('tag', '')}"
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / f"{stem}.raw.json").write_text(json.dumps(payload, default=str))
+    stem = _stem(payload)
+    report.write_json(Path(out_dir) / f"{stem}.raw.json", payload, indent=None)
     if payload["configs"]:
         try:
             render(payload, out_dir)
@@ -862,6 +846,10 @@ def _write(payload: dict, out_dir, *, final: bool) -> None:
             print(f"report rendering failed: {type(err).__name__}: {err}", file=sys.stderr)
             if final:
                 raise
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def main(argv=None) -> None:
@@ -874,7 +862,7 @@ def main(argv=None) -> None:
     parser.add_argument("--workloads", default="longalign,balanced,swe_smith,tulu")
     parser.add_argument(
         "--minibatch",
-        type=lambda t: [int(x) for x in t.split(",")],
+        type=_ints,
         default=[4, 2, 8],
         help="samples per rank per step (comma list)",
     )
@@ -884,7 +872,7 @@ def main(argv=None) -> None:
     parser.add_argument("--variants", default="A,B,C,D")
     parser.add_argument(
         "--all-variants-at",
-        type=lambda t: [int(x) for x in t.split(",")],
+        type=_ints,
         default=[4],
         help="samples per rank at which A and C run too (B and D always run)",
     )
@@ -900,7 +888,7 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument(
         "--calibration-lengths",
-        type=lambda t: [int(x) for x in t.split(",")],
+        type=_ints,
         default=[512, 2048, 4096, 8192, 16384, 24576, 32768],
     )
     parser.add_argument("--calibration-repeats", type=int, default=2)

@@ -73,15 +73,6 @@ def test_bad_inputs_raise_clear_errors():
         FlopCostModel.from_config(NotADecoder())
 
 
-@pytest.fixture
-def one_torch_thread():
-    """Tiny models are dominated by thread hand-off cost on small CPU hosts; one thread is much faster."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def test_calibrate_times_a_tiny_model_on_cpu(one_torch_thread):
     from transformers import Qwen2ForCausalLM
 

@@ -67,15 +67,6 @@ def test_dataloader_yields_one_bundle_per_step():
         assert [mb["input_ids"].shape[1] for mb in bundle] == [sum(lengths[i] for i in mb) for mb in planned]
 
 
-@pytest.fixture
-def one_torch_thread():
-    """Tiny models are dominated by thread hand-off cost on small CPU hosts; one thread is much faster."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_packed_logits_equal_each_document_run_alone(attn_implementation, one_torch_thread):
     from transformers import Qwen2ForCausalLM

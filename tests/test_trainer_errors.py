@@ -87,7 +87,7 @@ def test_odc_options_from_trainer_arguments():
     (args,) = HfArgumentParser(ODCTrainingArguments).parse_args_into_dataclasses(
         [
             "--output_dir",
-            "/tmp/x",
+            "out_unused",
             "--odc_balance",
             "lb_micro",
             "--odc_max_tokens_per_microbatch",
@@ -99,7 +99,7 @@ def test_odc_options_from_trainer_arguments():
     config = odc_config_from_args(args, environ={"ODC_TIMEOUT_S": "12", "ODC_BALANCE": "none"})
     assert (config.balance, config.max_tokens_per_microbatch, config.timeout_s) == ("lb_micro", 4096, 12.0)
     sft = ODCSFTConfig(
-        output_dir="/tmp/x", odc_enabled=False, odc_balance="lb_micro", report_to="none", bf16=False
+        output_dir="out_unused", odc_enabled=False, odc_balance="lb_micro", report_to="none", bf16=False
     )
     assert odc_config_from_args(sft, environ={}).enabled is False
     assert "ODC:" in ODCTrainingArguments.__dataclass_fields__["odc_balance"].metadata["help"]

@@ -9,9 +9,31 @@ time = max over ranks of busy + wait (WORKLOADS.md's definition).
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import torch
+
+
+class DeviceClock:
+    """Timestamps on the device's own timeline: CUDA events on GPUs (no host sync until read), perf_counter on CPU.
+
+    ``mark()`` records a point; ``seconds(a, b)`` reads the time between two marks (on CUDA, only after the events
+    have completed, e.g. after a ``torch.cuda.synchronize``).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
 
 @dataclasses.dataclass

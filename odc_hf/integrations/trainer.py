@@ -37,7 +37,7 @@ from odc_hf.balance import (
 )
 from odc_hf.config import ODCConfig
 from odc_hf.integrations.accelerator import adopt
-from odc_hf.integrations.stats import RunStats, StepStats, plot_timeline
+from odc_hf.integrations.stats import DeviceClock, RunStats, StepStats, plot_timeline
 
 logger = logging.getLogger(__name__)
 
@@ -421,35 +421,27 @@ def _document_lengths(microbatch: Mapping) -> list[int]:
 
 
 class _MicrobatchClock:
-    """Forward+backward time of each microbatch: CUDA events (read after the step's sync), perf_counter on CPU.
+    """Forward+backward time of each microbatch, on the device's timeline (read after the step's sync).
 
     Under ODC a rank never waits for a peer inside a minibatch, so these are the microbatches' own costs.
     """
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks = [self._mark()]
+        self.clock = DeviceClock(device)
+        self.marks = [self.clock.mark()]
         self.docs: list[list[int]] = []
 
-    def _mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def lap(self, docs: list[int]) -> None:
-        self.marks.append(self._mark())
+        self.marks.append(self.clock.mark())
         self.docs.append(docs)
 
     def laps(self) -> list[tuple[list[int], float]]:
         """(document lengths, seconds) per real microbatch; call after the device is synchronised."""
-        out = []
-        for docs, a, b in zip(self.docs, self.marks, self.marks[1:]):
-            seconds = a.elapsed_time(b) / 1e3 if self.cuda else b - a
-            if docs:
-                out.append((docs, seconds))
-        return out
+        return [
+            (docs, self.clock.seconds(a, b))
+            for docs, a, b in zip(self.docs, self.marks, self.marks[1:])
+            if docs
+        ]
 
 
 def make_odc_trainer(trainer_cls: type[Trainer]) -> type[Trainer]:
