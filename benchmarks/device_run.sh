@@ -4,6 +4,7 @@
 #   B: the main job with a 1.5B Qwen2 shape on LongAlign-like lengths, ODC+LB-Mini then FSDP2+LB-Micro
 #   E: attention_check.py, then benchmarks/sft_e2e.py (LongAlign-like 4/2/8 per rank, balanced, SWE-smith 4, Tulu 4)
 #   F: benchmarks/sft_e2e.py part 2 (SWE-smith-like, Tulu-like), then benchmarks/grpo_e2e.py
+#   P: benchmarks/microbatch_probe.py (fixed microbatch layouts, accumulate-kernel grid cap, profiles)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 OUT=${OUT:-/tmp/out}
@@ -45,4 +46,8 @@ if [ "$1" = F ]; then
     --time-budget 280 --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_part2.log" | grep -v "^|" | tail -20
   mkdir -p "$OUT/grpo"
   timeout 250 python3 benchmarks/grpo_e2e.py --out "$OUT/grpo" 2>&1 | tee "$OUT/grpo/grpo_e2e.log" | tail -30
+fi
+if [ "$1" = P ]; then
+  timeout 500 python3 benchmarks/microbatch_probe.py --repeats 2 --max-ctas 32 --profile --out "$OUT" 2>&1 \
+    | tee "$OUT/microbatch_probe.log" | grep -v Warning | tail -30
 fi

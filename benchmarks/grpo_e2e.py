@@ -160,7 +160,7 @@ def _cost_model(args, config):
         return FlopCostModel.from_config(config), "flop"
     path = CALIBRATION if choice == "calibration" else Path(choice)
     data = json.loads(path.read_text())
-    model = QuadraticCostModel(a=data["a"], b=data["b"], c=data["c"]) if "a" in data else \
+    model = QuadraticCostModel.from_dict(data) if "a" in data else \
         QuadraticCostModel.fit(data["lengths"], data["seconds"])  # fmt: skip
     return model, f"calibrated ({path.name})"
 

@@ -286,6 +286,7 @@ def _run(rank, world_size, args):
     from benchmarks import report
     from odc_hf.balance import BundleCollator
     from odc_hf.balance.cost import FlopCostModel
+    from odc_hf.balance.planner import makespan_lower_bound
     from odc_hf.integrations.stats import DeviceClock
 
     cuda = dist.get_backend() == "nccl"
@@ -305,13 +306,7 @@ def _run(rank, world_size, args):
         "args": vars(args),
         "world_size": world_size,
         "model_config": config.to_dict() if rank == 0 else None,
-        "calibration": {
-            "points": points,
-            "a": cost_model.a,
-            "b": cost_model.b,
-            "c": cost_model.c,
-            "describe": cost_model.describe(),
-        },  # fmt: skip
+        "calibration": {"points": points, **cost_model.to_dict(), "describe": cost_model.describe()},
         "configs": [],
         "skipped": [],
     }
@@ -360,8 +355,8 @@ def _run(rank, world_size, args):
                 "lengths": [ls.tolist() for ls in lengths],
                 "tokens": [int(np.minimum(ls, budget).sum()) for ls in lengths],
                 "flops": [float(flops.doc_costs(np.minimum(ls, budget)).sum()) for ls in lengths],
-                "single_gpu_s": [float(cost_model.doc_costs(np.minimum(ls, budget)).sum()
-                                       + cost_model.a * ls.size) for ls in lengths],
+                "bound_compute_s": [makespan_lower_bound(ls, world_size, budget, cost_model, truncate=True)
+                                    for ls in lengths],
                 "predicted": {v: [_predicted(p, v) for p in plans]
                               for v in variants},
                 "records": [r for part in gathered for r in part],
@@ -413,7 +408,10 @@ def analyse(payload: dict) -> list[dict]:
                 for v in cfg["variants"]}  # fmt: skip
         opt = {v: _median(max(r["opt_s"] for r in by[v, s]) for s in measured) for v in cfg["variants"]}
         opt_ref = opt.get("D", next(iter(opt.values())))
-        bound = {s: cfg["single_gpu_s"][s] / W + opt_ref for s in measured}
+        if "bound_compute_s" in cfg:
+            bound = {s: cfg["bound_compute_s"][s] + opt_ref for s in measured}
+        else:  # runs before the floor model: Σ per-sample single-GPU time (overhead a per sample) / W
+            bound = {s: cfg["single_gpu_s"][s] / W + opt_ref for s in measured}
         rows = {}
         for v in cfg["variants"]:
             times = [step[v][s] for s in measured]
@@ -475,7 +473,7 @@ def microbatch_timings(payload: dict, variants=("C", "D")) -> tuple[list[list[in
     docs_out, seconds, names = [], [], []
     for cfg in payload["configs"]:
         cal = cfg.get("calibration", payload["calibration"])
-        model = QuadraticCostModel(a=cal["a"], b=cal["b"], c=cal["c"])
+        model = QuadraticCostModel.from_dict(cal)
         wanted = [v for v in variants if v in cfg["variants"]]
         for step, lengths in enumerate(cfg["lengths"]):
             if step < cfg["warmup"] or not wanted:
@@ -510,11 +508,14 @@ def insitu_cost_check(payload: dict) -> dict | None:
     t = np.asarray(seconds)
     multi = np.array([len(d) > 1 for d in docs])
     cal = payload["calibration"]
-    calibrated = QuadraticCostModel(a=cal["a"], b=cal["b"], c=cal["c"])
+    calibrated = QuadraticCostModel.from_dict(cal)
     try:
         refit = QuadraticCostModel.fit_microbatches(docs, seconds)
     except ValueError:
         return None
+    floor_refit = None
+    if not cal.get("floor") and cal.get("points"):  # a run planned with the additive model: what the floor adds
+        floor_refit = QuadraticCostModel.fit([p[0] for p in cal["points"]], [p[1] for p in cal["points"]])
 
     def errors(model):
         pred = np.array([model.microbatch_cost(d) for d in docs])
@@ -525,12 +526,15 @@ def insitu_cost_check(payload: dict) -> dict | None:
                 out[f"{name}_median_signed"] = float(np.median(rel[mask]))
         return out
 
-    return {
+    out = {
         "microbatches": len(docs),
         "multi_doc": int(multi.sum()),
-        "calibrated": {"a": cal["a"], "b": cal["b"], "c": cal["c"], **errors(calibrated)},
-        "in_situ": {"a": refit.a, "b": refit.b, "c": refit.c, **errors(refit)},
+        "calibrated": {**calibrated.to_dict(), **errors(calibrated)},
+        "in_situ": {**refit.to_dict(), **errors(refit)},
     }
+    if floor_refit is not None:
+        out["calibrated_floor"] = {**floor_refit.to_dict(), **errors(floor_refit)}
+    return out
 
 
 def _acceptance(results: list[dict]) -> list[str]:
@@ -574,7 +578,7 @@ def simulate_scaling(
     from odc_hf.workloads import generate_lengths
 
     cal = coefficients or payload["calibration"]
-    cost_model = QuadraticCostModel(a=cal["a"], b=cal["b"], c=cal["c"])
+    cost_model = QuadraticCostModel.from_dict(cal)
     args = payload["args"]
     budget = args["max_tokens"]
     out = {}
@@ -612,8 +616,10 @@ def render(payload: dict, out_dir) -> str:
         f"{payload['args']['seed']}; warm-up steps excluded; variants interleaved (order rotates each step)",
         f"- cost model (single-GPU fwd+bwd of an unsharded bf16 copy, fitted): {cal['describe']}; points "
         + ", ".join(f"{s}: {t * 1e3:.1f} ms" for s, t in cal["points"]),
-        "- bound = Σ single-GPU time of the minibatch's samples (fitted model, a per sample) / ranks + the optimizer "
-        "time of D; efficiency = bound / step time. MFU: causal-halved FLOPs 6·N·s + 6·L·d·s² per sample / "
+        "- bound = the step time with perfect balance and free communication under the single-GPU cost model: "
+        "max(Σ document costs + overhead·⌈tokens / budget⌉) / ranks, costliest document alone) + the optimizer time "
+        "of D (the planner's `makespan_lower_bound`; the floor is left out, so it never exceeds packed rows' cost); "
+        "efficiency = bound / step time. MFU: causal-halved FLOPs 6·N·s + 6·L·d·s² per sample / "
         f"(step time × ranks × {H200_PEAK_TFLOPS:.0f} TFLOP/s dense bf16 peak), recomputation not counted.",
         "- bubble measured: 1 − mean busy / step, busy = step start to the rank's last backward (CUDA events); "
         "B's busy is C's (same microbatches; FSDP2 hides waits inside its collectives). Predicted: the plan under the "
@@ -626,7 +632,7 @@ def render(payload: dict, out_dir) -> str:
     for run in payload.get("runs", []):
         c = run["calibration"]
         lines.append(f"- run at commit `{run['env']['commit']}` ({run['env']['date']}): {', '.join(run['configs'])}; "
-                     f"calibration a={c['a']:.4g}, b={c['b']:.4g}, c={c['c']:.4g}")  # fmt: skip
+                     f"calibration a={c['a']:.4g}, b={c['b']:.4g}, c={c['c']:.4g}, floor={c.get('floor', 0.0):.4g}")  # fmt: skip
     if payload.get("runs"):
         lines.append("")
     for cfg in results:
@@ -660,16 +666,19 @@ def render(payload: dict, out_dir) -> str:
         )
     check = insitu_cost_check(payload)
     if check is not None:
-        cal, ins = check["calibrated"], check["in_situ"]
+        models = [("single-GPU calibration (used for planning)", check["calibrated"])]
+        if "calibrated_floor" in check:
+            models.append(("same single-GPU points fitted with a floor (not used here)", check["calibrated_floor"]))
+        models.append(("in-situ refit", check["in_situ"]))
         lines.append("## Cost model in the sharded run (ODC microbatches, C and D, after warm-up)\n")
         lines.append(f"{check['microbatches']} microbatches ({check['multi_doc']} with several documents). Relative error "
                      "of the predicted microbatch time, (predicted − measured) / measured:\n")  # fmt: skip
         lines.append(
-            "| model | a | b | c | median abs. error | single-document median | multi-document median |"
+            "| model | a | b | c | floor | median abs. error | single-document median | multi-document median |"
         )
-        lines.append("|---|---:|---:|---:|---:|---:|---:|")
-        for name, m in (("single-GPU calibration (used for planning)", cal), ("in-situ refit", ins)):
-            lines.append(f"| {name} | {m['a']:.4g} | {m['b']:.4g} | {m['c']:.4g} | {m['median_abs']:.3f} | "
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for name, m in models:
+            lines.append(f"| {name} | {m['a']:.4g} | {m['b']:.4g} | {m['c']:.4g} | {m.get('floor', 0.0):.4g} | {m['median_abs']:.3f} | "
                          f"{_fmt(m.get('single_doc_median_signed'), '+.3f')} | {_fmt(m.get('multi_doc_median_signed'), '+.3f')} |")  # fmt: skip
         lines.append("")
     lines.append("## Simulator: D vs B (compute + measured optimizer time) by world size\n")

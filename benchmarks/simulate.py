@@ -36,7 +36,7 @@ def load_cost_model(args):
         return FlopCostModel.from_config(qwen2_5_config(args.model)), f"flop_{args.model}"
     spec = json.loads(Path(args.calibration).read_text())
     if "a" in spec:
-        model = QuadraticCostModel(a=spec["a"], b=spec["b"], c=spec["c"])
+        model = QuadraticCostModel.from_dict(spec)
     else:
         model = QuadraticCostModel.fit(spec["lengths"], spec["seconds"])
     return model, "calibrated_" + Path(args.calibration).stem.removeprefix("calibration_")

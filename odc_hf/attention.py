@@ -40,7 +40,8 @@ VARLEN_ATTENTION = "sdpa_varlen"
 """The ``attn_implementation`` name this module registers."""
 
 CALLS: Counter = Counter()
-"""How often each path ran: ``documents`` (per-document SDPA calls), ``single`` (one-document rows), ``fallback``."""
+"""How often each path ran: ``documents`` (per-document SDPA calls), ``single`` (one-document rows), ``fallback``;
+``bounds_sync`` counts the host reads of the document boundaries (cache misses)."""
 
 USE_VARLEN_KERNEL = False
 """Use torch's flash varlen kernel on CUDA when available instead of per-document SDPA (slower on H200, see above)."""
@@ -67,6 +68,7 @@ def document_bounds(cu_seq_lens: torch.Tensor | None, length: int) -> list[tuple
         return [(0, length)]
     if _cache is not None and _cache[0]() is cu_seq_lens:
         return _cache[1]
+    CALLS["bounds_sync"] += 1  # a device-to-host copy: expected once per forward
     offsets = [int(x) for x in cu_seq_lens.tolist()]
     if offsets[0] != 0 or offsets[-1] != length or any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(

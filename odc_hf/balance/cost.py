@@ -5,10 +5,16 @@ The planners only ever compare costs, so units do not matter (FLOPs, seconds, to
 whole reason to balance by cost rather than by tokens. With padding-free packing (``position_ids``
 restarting per document) attention is computed per document, so the cost of a packed microbatch is
 
-    microbatch_cost = overhead + sum over its documents of doc_cost(length)
+    microbatch_cost = max(floor, overhead + sum over its documents of doc_cost(length))
 
-where ``overhead`` is a fixed per-microbatch price (kernel launches, Python, the per-layer FSDP
-work), zero for the analytic models and fitted by :func:`calibrate`.
+where ``overhead`` is a fixed per-microbatch price and ``floor`` the least a microbatch costs at all
+(both zero for the analytic models; fitted by :func:`calibrate`). The floor is how a real GPU behaves:
+a short row is launch-bound (the host issues kernels slower than the GPU runs them, ~0.18 s per
+fwd+bwd of a 1.5B model on an H200 up to ~4k tokens), while a long row is GPU-bound and its host work
+hides under the GPU's. Fitting that with an additive ``a`` instead (``a + b·s + c·s²`` over all lengths)
+prices every packed row ``a`` too cheap per extra document: measured on one H200 (1.5B, 28,672 tokens),
+rows of 2 and 4 documents took 1.13 s and 0.99 s where the additive fit said 0.98 s and 0.76 s, and the
+floor model says 1.13 s and 0.98 s (``benchmarks/results/attention_check_*``).
 
 Three models:
 
@@ -16,8 +22,8 @@ Three models:
   measurements needed; ignores that short sequences are launch-bound on real GPUs.
 - :class:`TokenCostModel`: cost = tokens. What "balance by tokens" planners implicitly use; shown
   for comparison, and the sampler's default only because it needs no config.
-- :class:`QuadraticCostModel`: ``a + b·s + c·s²`` fitted to timings measured on the target device
-  (:func:`calibrate`), the most faithful when the device is available.
+- :class:`QuadraticCostModel`: ``max(floor, a + b·s + c·s²)`` fitted to timings measured on the target
+  device (:func:`calibrate`), the most faithful when the device is available.
 """
 
 from __future__ import annotations
@@ -47,22 +53,27 @@ def as_lengths(lengths: Sequence[int] | np.ndarray, *, name: str = "lengths") ->
 
 
 class CostModel:
-    """Base: subclasses define ``overhead`` and :meth:`doc_costs`."""
+    """Base: subclasses define ``overhead`` (and ``floor``) and :meth:`doc_costs`."""
 
     overhead: float = 0.0
+    floor: float = 0.0
 
     def doc_costs(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
         """Per-document cost (without the per-microbatch overhead), one float per length."""
         raise NotImplementedError
 
+    def price(self, doc_cost_sum: float) -> float:
+        """Cost of a non-empty microbatch whose documents cost ``doc_cost_sum``: max(floor, overhead + sum)."""
+        return max(self.floor, self.overhead + float(doc_cost_sum))
+
     def microbatch_cost(self, doc_lengths: Sequence[int] | np.ndarray) -> float:
-        """Cost of one packed microbatch: overhead + sum of per-document costs; 0.0 when empty.
+        """Cost of one packed microbatch (:meth:`price` of its documents); 0.0 when empty.
 
         An empty microbatch is priced 0: under ODC it is not run at all, and under FSDP the dummy
         step it stands for overlaps a real microbatch of another rank, whose cost sets the pace.
         """
         costs = self.doc_costs(doc_lengths)
-        return 0.0 if costs.size == 0 else float(self.overhead + costs.sum())
+        return 0.0 if costs.size == 0 else self.price(costs.sum())
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -140,19 +151,27 @@ class TokenCostModel(CostModel):
 
 @dataclass(frozen=True, kw_only=True)
 class QuadraticCostModel(CostModel):
-    """``a`` per microbatch plus ``b·s + c·s²`` per document, usually in seconds (see :func:`calibrate`)."""
+    """``max(floor, a + Σ (b·s + c·s²))`` per microbatch of documents s, usually in seconds (:func:`calibrate`).
+
+    ``a`` is a fixed price per microbatch, ``floor`` the least any microbatch costs (launch-bound rows,
+    see the module docstring); ``floor=0`` gives the plain additive model.
+    """
 
     a: float
     b: float
     c: float
+    floor: float = 0.0
 
     def __post_init__(self):
-        for name in ("a", "b", "c"):
+        for name in ("a", "b", "c", "floor"):
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"QuadraticCostModel.{name} must be finite and >= 0, got {value}")
-        if self.a == 0 and self.b == 0 and self.c == 0:
-            raise ValueError("QuadraticCostModel needs a, b or c > 0, otherwise everything costs nothing")
+        if self.b == 0 and self.c == 0:
+            raise ValueError(
+                "QuadraticCostModel needs b or c > 0: with a cost that does not grow with length the planners "
+                "have nothing to balance (for launch-bound timings use TokenCostModel)"
+            )
 
     @property
     def overhead(self) -> float:  # type: ignore[override]
@@ -162,16 +181,21 @@ class QuadraticCostModel(CostModel):
         s = as_lengths(lengths)
         return self.b * s + self.c * s * s
 
+    def to_dict(self) -> dict:
+        """``{"a", "b", "c", "floor"}``: the JSON form :meth:`from_dict` reads (and ``cost_model=`` files hold)."""
+        return {"a": self.a, "b": self.b, "c": self.c, "floor": self.floor}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> QuadraticCostModel:
+        """Read :meth:`to_dict`'s form; ``floor`` may be missing (files written before it existed)."""
+        missing = [k for k in ("a", "b", "c") if k not in data]
+        if missing:
+            raise ValueError(f"a cost model needs keys a, b, c (and optionally floor); missing {missing}")
+        return cls(a=float(data["a"]), b=float(data["b"]), c=float(data["c"]), floor=float(data.get("floor", 0.0)))
+
     @classmethod
     def fit(cls, lengths: Sequence[int], seconds: Sequence[float]) -> QuadraticCostModel:
-        """Non-negative least squares fit of ``seconds ≈ a + b·s + c·s²`` on single-document timings.
-
-        Coefficients are constrained to be >= 0 (a negative overhead or slope would make the planner
-        prefer more microbatches or longer documents): with three unknowns, every subset of active
-        coefficients is solved and the best feasible one kept, which is exact NNLS. Timings that do not
-        grow with length (a launch-bound device) give b = c = 0: then only the overhead matters and
-        the planners balance tokens, through the overhead share of each document.
-        """
+        """Fit ``max(floor, a + b·s + c·s²)`` to single-document timings (see :meth:`_fit`)."""
         s = as_lengths(lengths)
         t = np.asarray(seconds, dtype=np.float64)
         if t.shape != s.shape:
@@ -180,18 +204,18 @@ class QuadraticCostModel(CostModel):
             raise ValueError("fitting a + b·s + c·s² needs timings at >= 3 distinct lengths")
         if not np.all(np.isfinite(t)) or t.min() < 0:
             raise ValueError("seconds must be finite and >= 0")
-        return cls._nnls(np.stack([np.ones_like(s), s, s * s], axis=1), t)
+        return cls._fit(np.stack([np.ones_like(s), s, s * s], axis=1), t)
 
     @classmethod
     def fit_microbatches(
         cls, microbatches: Sequence[Sequence[int]], seconds: Sequence[float]
     ) -> QuadraticCostModel:
-        """Fit ``a + b·Σs + c·Σs²`` to measured microbatch times (in-situ calibration).
+        """Fit ``max(floor, a + b·Σs + c·Σs²)`` to measured microbatch times (in-situ calibration).
 
         ``microbatches[i]`` holds the document lengths of a packed microbatch that took ``seconds[i]``
         (forward + backward, as timed in training, so sharding, gathers and packing are included). The
         single-GPU timings of :func:`calibrate` can misjudge packed rows in a sharded run; this fits the
-        cost the planner will actually see. Same non-negative least squares as :meth:`fit`.
+        cost the planner will actually see. Same fit as :meth:`fit`, with the floor split on Σs.
         """
         t = np.asarray(seconds, dtype=np.float64)
         if len(microbatches) != t.size:
@@ -207,12 +231,44 @@ class QuadraticCostModel(CostModel):
             raise ValueError("fitting needs microbatches of >= 3 distinct token counts")
         if not np.all(np.isfinite(t)) or (t.size and t.min() < 0):
             raise ValueError("seconds must be finite and >= 0")
-        return cls._nnls(design, t)
+        return cls._fit(design, t)
 
     @classmethod
-    def _nnls(cls, columns: np.ndarray, t: np.ndarray) -> QuadraticCostModel:
+    def _fit(cls, design: np.ndarray, t: np.ndarray) -> QuadraticCostModel:
+        """Least squares of ``max(floor, design @ (a, b, c))`` with every coefficient >= 0.
+
+        Rows are taken in order of token count (``design[:, 1]``). Candidate ``k`` says the ``k``
+        shortest rows sit on the floor: ``floor`` = their median and ``(a, b, c)`` = the NNLS fit of the
+        rest (at least 3 distinct token counts); ``k = 0`` is the plain additive fit. The candidate with
+        the least squared error of ``max(floor, a + b·s + c·s²)`` over all rows wins (ties: fewer floor
+        rows). Timings that do not grow with length at all cannot be fitted (ValueError).
+        """
+        order = np.argsort(design[:, 1], kind="stable")
+        design, t = design[order], t[order]
+        best, best_error = None, np.inf
+        for k in range(design.shape[0]):
+            rest = design[k:]
+            if np.unique(rest[:, 1]).size < 3:
+                break
+            coef = cls._nnls(rest, t[k:])
+            if coef is None or (coef[1] == 0 and coef[2] == 0):
+                continue
+            floor = float(np.median(t[:k])) if k else 0.0
+            error = float(np.sum((np.maximum(floor, design @ coef) - t) ** 2))
+            if error < best_error * (1 - 1e-9):
+                best, best_error = (coef, floor), error
+        if best is None:
+            raise ValueError(
+                "the timings do not grow with length, so there is no per-token cost to fit "
+                "(a launch-bound device: balance tokens with TokenCostModel)"
+            )
+        (a, b, c), floor = best
+        return cls(a=float(a), b=float(b), c=float(c), floor=floor if floor > a else 0.0)
+
+    @staticmethod
+    def _nnls(columns: np.ndarray, t: np.ndarray) -> np.ndarray | None:
         """Exact NNLS over the 7 subsets of (a, b, c): solve each, keep the best with no negative coefficient."""
-        scale = columns.max(axis=0)  # conditioning: s² reaches 1e9 and more
+        scale = np.maximum(columns.max(axis=0), 1e-300)  # conditioning: s² reaches 1e9 and more
         design = columns / scale
         best, best_residual = None, np.inf
         for size in (3, 2, 1):
@@ -225,13 +281,14 @@ class QuadraticCostModel(CostModel):
                     full = np.zeros(3)
                     full[list(active)] = coef
                     best, best_residual = full, residual
-        if best is None or not best.any():
-            raise ValueError("all timings are zero; cannot fit a cost model")
-        a, b, c = best / scale
-        return cls(a=float(a), b=float(b), c=float(c))
+        return None if best is None else best / scale
 
     def describe(self) -> str:
-        return f"calibrated model {self.a:.4g} + {self.b:.4g}·s + {self.c:.4g}·s² per microbatch (seconds)"
+        floor = f"max({self.floor:.4g}, " if self.floor else ""
+        return (
+            f"calibrated model {floor}{self.a:.4g} + {self.b:.4g}·s + {self.c:.4g}·s²{')' if floor else ''} "
+            "per microbatch (seconds)"
+        )
 
 
 def time_lengths(model, lengths: Sequence[int], *, repeats: int = 3, device=None) -> list[float]:
@@ -279,6 +336,9 @@ def time_lengths(model, lengths: Sequence[int], *, repeats: int = 3, device=None
 
 
 def calibrate(model, lengths: Sequence[int], *, repeats: int = 3, device=None) -> QuadraticCostModel:
-    """Time forward+backward of ``model`` at each length (:func:`time_lengths`); fit ``a + b·s + c·s²``."""
+    """Time forward+backward of ``model`` at each length (:func:`time_lengths`); fit ``max(floor, a + b·s + c·s²)``.
+
+    Include a few short lengths (launch-bound, they set the floor) and at least three long ones.
+    """
     seconds = time_lengths(model, lengths, repeats=repeats, device=device)
     return QuadraticCostModel.fit([int(s) for s in lengths], seconds)

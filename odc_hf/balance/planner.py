@@ -67,8 +67,9 @@ def makespan_lower_bound(
     """No plan can finish faster: max(total cost / W, cost of the single most expensive microbatch).
 
     The total counts each document once plus the per-microbatch overhead of the fewest microbatches
-    the token budget allows (ceil(total tokens / budget)); the second term is overhead + the
-    costliest document, which some rank must run.
+    the token budget allows (ceil(total tokens / budget)); the second term is the price of the
+    costliest document alone, which some rank must run. The cost model's floor is left out of the total
+    (it only raises costs), so this stays a lower bound.
     """
     world_size = _validate_world_size(world_size)
     eff = _effective_lengths(lengths, max_tokens_per_microbatch, truncate)
@@ -77,7 +78,7 @@ def makespan_lower_bound(
     costs = cost_model.doc_costs(eff)
     min_microbatches = max(1, math.ceil(int(eff.sum()) / max_tokens_per_microbatch))
     total = float(costs.sum()) + cost_model.overhead * min_microbatches
-    return max(total / world_size, cost_model.overhead + float(costs.max()))
+    return max(total / world_size, cost_model.price(float(costs.max())))
 
 
 def pack_first_fit_decreasing(
@@ -107,8 +108,7 @@ def pack_first_fit_decreasing(
 def _make_plan(mode, microbatches, doc_costs, cost_model, bound, *, heaviest_first):
     """Price every microbatch (empty ones cost 0) and wrap it all in a Plan."""
     cost_list = doc_costs.tolist()
-    overhead = cost_model.overhead
-    costs = [[overhead + sum(cost_list[i] for i in mb) if mb else 0.0 for mb in mbs] for mbs in microbatches]
+    costs = [[cost_model.price(sum(cost_list[i] for i in mb)) if mb else 0.0 for mb in mbs] for mbs in microbatches]
     if heaviest_first:
         orders = [sorted(range(len(c)), key=lambda j, c=c: (-c[j], j)) for c in costs]
         microbatches = [[mbs[j] for j in order] for mbs, order in zip(microbatches, orders)]
@@ -199,7 +199,7 @@ def _lb_micro(eff, world_size, max_tokens, cost_model, doc_costs, bound) -> Plan
     parts = labels_to_parts(labels, world_size * k)
     sizes = np.bincount(labels, minlength=world_size * k)
     part_costs = np.bincount(labels, weights=doc_costs, minlength=world_size * k)
-    part_costs = np.where(sizes > 0, part_costs + cost_model.overhead, 0.0)
+    part_costs = np.where(sizes > 0, np.maximum(cost_model.floor, part_costs + cost_model.overhead), 0.0)
     order = np.argsort(-part_costs, kind="stable")
     microbatches: list[list[list[int]]] = [[] for _ in range(world_size)]
     busy = np.zeros(world_size)

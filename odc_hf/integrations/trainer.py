@@ -169,13 +169,14 @@ class ODCMixin:
             return TokenCostModel()
         data = json.loads(Path(choice).read_text())
         if all(k in data for k in "abc"):
-            return QuadraticCostModel(a=data["a"], b=data["b"], c=data["c"])
+            return QuadraticCostModel.from_dict(data)
         if "lengths" in data and "seconds" in data:  # raw timings: fit them
             return QuadraticCostModel.fit(data["lengths"], data["seconds"])
         if "microbatches" in data and "seconds" in data:  # a run's odc_microbatch_timings.json
             return QuadraticCostModel.fit_microbatches(data["microbatches"], data["seconds"])
         raise ValueError(
-            f"{choice}: expected a JSON object with a, b, c (or lengths and seconds, or microbatches and seconds, to fit)"
+            f"{choice}: expected a JSON object with a, b, c and optionally floor (or lengths and seconds, or "
+            "microbatches and seconds, to fit)"
         )
 
     def get_train_dataloader(self) -> DataLoader:
@@ -386,7 +387,7 @@ class ODCMixin:
         }
         try:
             fitted = QuadraticCostModel.fit_microbatches(payload["microbatches"], payload["seconds"])
-            payload.update(a=fitted.a, b=fitted.b, c=fitted.c)
+            payload.update(fitted.to_dict())
             logger.info("odc_hf: microbatch costs of this run fit %s", fitted.describe())
         except ValueError as err:
             payload["fit_error"] = str(err)

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -55,21 +56,36 @@ def _accumulate_kernel():
 
     @triton.jit
     def accumulate(dst, src, n, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        values = tl.load(src + offsets, mask=mask, eviction_policy="evict_first").to(tl.float32)
-        # Result unused, so this lowers to a fire-and-forget `red` instruction; sys scope makes the add
-        # coherent with the owner GPU and any other sender.
-        tl.atomic_add(dst + offsets, values, mask=mask, sem="relaxed", scope="sys")
+        # Grid-stride: a capped grid (ODC_ACCUMULATE_MAX_CTAS) walks the whole buffer with fewer CTAs.
+        stride = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in tl.range(tl.program_id(0).to(tl.int64) * BLOCK, n, stride):
+            offsets = start + tl.arange(0, BLOCK)
+            mask = offsets < n
+            values = tl.load(src + offsets, mask=mask, eviction_policy="evict_first").to(tl.float32)
+            # Result unused, so this lowers to a fire-and-forget `red` instruction; sys scope makes the add
+            # coherent with the owner GPU and any other sender.
+            tl.atomic_add(dst + offsets, values, mask=mask, sem="relaxed", scope="sys")
 
     return triton, accumulate
+
+
+def _max_ctas() -> int | None:
+    """``ODC_ACCUMULATE_MAX_CTAS``: cap on the accumulate kernel's grid (unset: one CTA per block of the buffer)."""
+    value = os.environ.get("ODC_ACCUMULATE_MAX_CTAS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"ODC_ACCUMULATE_MAX_CTAS must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def atomic_accumulate(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst += src`` with fp32 system-scope atomics (``dst`` may be a peer's symmetric-memory view)."""
     triton, kernel = _accumulate_kernel()
     n = src.numel()
-    kernel[(triton.cdiv(n, _ACCUMULATE_BLOCK),)](dst, src, n, BLOCK=_ACCUMULATE_BLOCK, num_warps=8)
+    blocks = triton.cdiv(n, _ACCUMULATE_BLOCK)
+    cap = _max_ctas()
+    kernel[(blocks if cap is None else min(blocks, cap),)](dst, src, n, BLOCK=_ACCUMULATE_BLOCK, num_warps=8)
 
 
 class _Unit:
