@@ -284,6 +284,7 @@ def _run(rank, world_size, args):
     import torch.distributed as dist
 
     from benchmarks import report
+    from odc_hf import attention
     from odc_hf.balance import BundleCollator
     from odc_hf.balance.cost import FlopCostModel
     from odc_hf.balance.planner import makespan_lower_bound
@@ -300,6 +301,9 @@ def _run(rank, world_size, args):
     budget = args.max_tokens
     collator = BundleCollator(max_tokens_per_microbatch=budget, truncate=True, pad_token_id=0)
     models = {kind: _build(kind, config, device, args) for kind in ("fsdp", "odc")}
+    planned = time.monotonic()
+    shapes = attention.warm_up(models["odc"][0], budget, dtype=torch.bfloat16)  # per process: serves both models
+    warm_up = {"attention_shapes": shapes, "seconds": time.monotonic() - planned, "bucket": attention.SHAPE_BUCKET}
     model_of = {"A": "fsdp", "B": "fsdp", "C": "odc", "D": "odc"}
     payload = {
         "env": env,
@@ -307,6 +311,7 @@ def _run(rank, world_size, args):
         "world_size": world_size,
         "model_config": config.to_dict() if rank == 0 else None,
         "calibration": {"points": points, **cost_model.to_dict(), "describe": cost_model.describe()},
+        "attention_warm_up": warm_up,
         "configs": [],
         "skipped": [],
     }
@@ -616,6 +621,10 @@ def render(payload: dict, out_dir) -> str:
         f"{payload['args']['seed']}; warm-up steps excluded; variants interleaved (order rotates each step)",
         f"- cost model (single-GPU fwd+bwd of an unsharded bf16 copy, fitted): {cal['describe']}; points "
         + ", ".join(f"{s}: {t * 1e3:.1f} ms" for s, t in cal["points"]),
+        *([f"- attention shapes: documents padded to multiples of {w['bucket']} tokens; {w['attention_shapes']} "
+           f"shapes planned before the first step ({w['seconds']:.1f} s, `odc_hf.attention.warm_up`)"]
+          if (w := payload.get("attention_warm_up")) else
+          ["- attention shapes: exact (no bucket), cuDNN plans built when a length first appears"]),
         "- bound = the step time with perfect balance and free communication under the single-GPU cost model: "
         "max(Σ document costs + overhead·⌈tokens / budget⌉) / ranks, costliest document alone) + the optimizer time "
         "of D (the planner's `makespan_lower_bound`; the floor is left out, so it never exceeds packed rows' cost); "

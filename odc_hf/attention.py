@@ -22,6 +22,15 @@ document 1.38 s on every path; 2 documents 1.13 s per-document SDPA, 1.35 s varl
 It is meant for training on packed rows. Anything else (a padding mask, a KV cache, batch > 1) falls back to
 plain ``"sdpa"`` semantics without a mask, so use ``"sdpa"`` for padded batched generation: no padding mask
 is built for this implementation. One host sync per forward reads the boundaries (cached across layers).
+
+**Shape buckets.** On Hopper, torch's SDPA runs cuDNN's attention, which builds (and may compile) an execution
+plan for every new shape and stride it meets, ~0.1 s each for forward and again for backward. Variable-length
+training meets new document lengths every step, so without care a packed row of new lengths pays that on top of
+its compute: on 2×H200 (1.5B, ``benchmarks/results/microbatch_probe_*``) LB-Mini's freshly packed rows ran at
+1.25x their cost while the same layouts with warm plans ran at 1.04x. Each document's q/k/v are therefore
+copied into a zero-padded buffer of a multiple of :data:`SHAPE_BUCKET` tokens (padding at the end changes no
+causal output or gradient of the real tokens): at most ``max_length / SHAPE_BUCKET`` shapes, all planned once
+(:func:`warm_up` does it up front). The copies and the padded attention cost ~1% at the default bucket.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-__all__ = ["VARLEN_ATTENTION", "document_bounds", "register", "sdpa_varlen_attention_forward"]
+__all__ = ["SHAPE_BUCKET", "VARLEN_ATTENTION", "document_bounds", "register", "sdpa_varlen_attention_forward", "warm_up"]
 
 VARLEN_ATTENTION = "sdpa_varlen"
 """The ``attn_implementation`` name this module registers."""
@@ -42,6 +51,9 @@ VARLEN_ATTENTION = "sdpa_varlen"
 CALLS: Counter = Counter()
 """How often each path ran: ``documents`` (per-document SDPA calls), ``single`` (one-document rows), ``fallback``;
 ``bounds_sync`` counts the host reads of the document boundaries (cache misses)."""
+
+SHAPE_BUCKET = 1024
+"""Pad each document's attention inputs to a multiple of this many tokens (0: no padding, exact shapes). See above."""
 
 USE_VARLEN_KERNEL = False
 """Use torch's flash varlen kernel on CUDA when available instead of per-document SDPA (slower on H200, see above)."""
@@ -99,16 +111,58 @@ def sdpa_varlen_attention_forward(
     bounds = document_bounds(cu_seq_lens, length)
     if len(bounds) == 1:
         CALLS["single"] += 1
-        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+        return _document(module, query, key, value, 0, length, kwargs), None
     if USE_VARLEN_KERNEL and query.is_cuda and _varlen_attn is not None and kwargs.get("dropout", 0.0) == 0.0:
         CALLS["varlen"] += 1
         return _flash_varlen(module, query, key, value, cu_seq_lens, bounds, kwargs.get("scaling")), None
     CALLS["documents"] += len(bounds)
-    outputs = [
-        sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]
-        for a, b in bounds
-    ]
+    outputs = [_document(module, query, key, value, a, b, kwargs) for a, b in bounds]
     return torch.cat(outputs, dim=1), None
+
+
+def _document(module, query, key, value, start: int, end: int, kwargs) -> torch.Tensor:
+    """Causal SDPA of tokens ``start:end`` alone, padded to the shape bucket: (1, end - start, H, D)."""
+    n = end - start
+    pad = (-n) % SHAPE_BUCKET if SHAPE_BUCKET > 0 else 0
+    q, k, v = (t[:, :, start:end] for t in (query, key, value))
+    if pad:  # zeros after the last token: causal attention of the real tokens never sees them
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    elif SHAPE_BUCKET > 0:  # same canonical (contiguous) strides as the padded copies
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    out = sdpa_attention_forward(module, q, k, v, None, **kwargs)[0]
+    return out[:, :n] if pad else out
+
+
+def warm_up(model: torch.nn.Module, max_length: int | None = None, dtype: torch.dtype | None = None) -> int:
+    """Run forward+backward of one attention layer at every bucket length up to ``max_length``; return the count.
+
+    Plans cuDNN's attention for every shape training can meet (see :data:`SHAPE_BUCKET`), so the first steps of
+    a run are not slower than the rest. ``max_length`` defaults to ``model.config.max_position_embeddings``;
+    ``dtype`` is the attention's compute dtype (default: the parameters' if half precision, else bfloat16).
+    No-op (returns 0) off CUDA or with ``SHAPE_BUCKET = 0``. Parameters and their gradients are not touched.
+    """
+    module = next((m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "head_dim")), None)
+    param = next(model.parameters(), None)
+    if SHAPE_BUCKET <= 0 or module is None or param is None or param.device.type != "cuda":
+        return 0
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    limit = int(max_length or config.max_position_embeddings)
+    if dtype is None:
+        dtype = param.dtype if param.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    kwargs = {"dropout": 0.0, "scaling": getattr(module, "scaling", None)}
+    count = 0
+    for length in range(SHAPE_BUCKET, limit + SHAPE_BUCKET, SHAPE_BUCKET):
+        shape = (1, heads, length, module.head_dim)
+        q = torch.randn(shape, device=param.device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn((1, kv_heads, length, module.head_dim), device=param.device, dtype=dtype,
+                            requires_grad=True) for _ in range(2))  # fmt: skip
+        out = _document(module, q, k, v, 0, length, kwargs)
+        out.backward(torch.randn_like(out))  # a dense gradient, laid out like the model's (not sum()'s expand)
+        count += 1
+    torch.cuda.synchronize(param.device)
+    return count
 
 
 def _flash_varlen(module, query, key, value, cu_seq_lens, bounds, scaling):

@@ -87,3 +87,29 @@ def test_cuda_varlen_kernel_matches_per_document_sdpa():
     torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=2e-2, atol=2e-2)
     for a, b in zip(outputs[True][1], outputs[False][1]):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("bucket", [0, 4, 16])
+@pytest.mark.parametrize("lengths", [[5], [3, 9, 1, 6], [16, 4]])
+def test_shape_buckets_change_no_output_or_gradient(monkeypatch, bucket, lengths):
+    """Padding every document to the shape bucket gives the same logits and gradients as exact shapes."""
+    from odc_hf import attention
+
+    exact, padded = _model(VARLEN_ATTENTION), _model(VARLEN_ATTENTION)
+    padded.load_state_dict(exact.state_dict())
+    _, batch = _packed(lengths)
+    monkeypatch.setattr(attention, "SHAPE_BUCKET", 0)
+    ref = exact(**batch)
+    ref.loss.backward()
+    monkeypatch.setattr(attention, "SHAPE_BUCKET", bucket)
+    out = padded(**batch)
+    out.loss.backward()
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(padded.named_parameters(), exact.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_warm_up_is_a_no_op_off_cuda():
+    from odc_hf.attention import warm_up
+
+    assert warm_up(_model(VARLEN_ATTENTION), max_length=64) == 0

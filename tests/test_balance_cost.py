@@ -56,6 +56,38 @@ def test_quadratic_fit_keeps_coefficients_non_negative():
     assert np.allclose(predicted, seconds, atol=0.03)
 
 
+def test_fit_finds_the_launch_bound_floor_and_prices_packed_rows_by_gpu_work():
+    """Measured 1.5B/H200 shape: flat ~0.18 s up to 4k tokens, then GPU-bound (benchmarks/results/sft_e2e_*)."""
+    truth = QuadraticCostModel(a=0.0, b=3e-5, c=6e-10, floor=0.18)
+    lengths = [512, 2048, 4096, 8192, 16384, 24576, 32768]
+    fitted = QuadraticCostModel.fit(lengths, [truth.microbatch_cost([s]) for s in lengths])
+    assert fitted.floor == pytest.approx(0.18, rel=1e-6)
+    assert fitted.a == pytest.approx(0.0, abs=1e-9)
+    assert fitted.b == pytest.approx(3e-5, rel=1e-6) and fitted.c == pytest.approx(6e-10, rel=1e-6)
+    # a row of 4 documents costs their GPU work, not 4 floors and not one floor less than apart
+    row = [7168] * 4
+    assert fitted.microbatch_cost(row) == pytest.approx(3e-5 * 28672 + 6e-10 * 4 * 7168**2)
+    assert fitted.microbatch_cost([100, 200]) == pytest.approx(0.18)
+    assert QuadraticCostModel.from_dict(fitted.to_dict()) == fitted
+    assert "max(0.18" in fitted.describe()
+
+
+def test_floor_is_not_invented_for_timings_without_one():
+    lengths = np.array([512, 2048, 8192, 16384, 32768])
+    fitted = QuadraticCostModel.fit(lengths, 0.08 + 2e-6 * lengths + 1.5e-10 * lengths**2)
+    assert fitted.floor == 0.0
+    assert QuadraticCostModel.from_dict({"a": 1, "b": 2, "c": 3}).floor == 0.0  # files from before the floor
+
+
+def test_planners_price_microbatches_with_the_floor():
+    from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
+
+    model = QuadraticCostModel(a=0.0, b=1e-4, c=0.0, floor=1.0)
+    for plan in (plan_lb_mini([100] * 6, 2, 1000, model), plan_lb_micro([100] * 6, 2, 1000, model)):
+        costs = [c for per_rank in plan.microbatch_costs for c in per_rank if c]
+        assert costs and all(c == pytest.approx(1.0) for c in costs)
+
+
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="3 distinct"):
         QuadraticCostModel.fit([100, 100, 200], [1.0, 1.0, 2.0])

@@ -26,7 +26,7 @@ from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
-import odc_hf.attention  # noqa: F401 - registers attn_implementation="sdpa_varlen"
+import odc_hf.attention  # registers attn_implementation="sdpa_varlen"; warm_up
 from odc_hf.balance import (
     BundleCollator,
     BundleDataset,
@@ -192,7 +192,7 @@ class ODCMixin:
             raise ValueError("odc_hf needs a tokenized dataset with an 'input_ids' column")
         lengths = [len(ids) for ids in dataset["input_ids"]]
         budget = self.odc_config.max_tokens_per_microbatch or max(lengths)
-        self._odc_check_attention()
+        self._odc_check_attention(budget)
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         sampler = ODCBatchSampler(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_minibatch_per_rank * world,
@@ -209,10 +209,17 @@ class ODCMixin:
         return BundleLoader(BundleDataset(dataset), batch_sampler=sampler, collate_fn=collator,
                             num_workers=self.args.dataloader_num_workers)  # fmt: skip
 
-    def _odc_check_attention(self) -> None:
-        """Packed rows under "sdpa"/"eager" attention are slow: say so once, with the fix."""
-        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+    def _odc_check_attention(self, budget: int) -> None:
+        """Packed rows under "sdpa"/"eager" attention are slow: say so once, with the fix. Under "sdpa_varlen"
+        on a GPU, plan the attention shapes of every length up to the token budget now (odc_hf.attention.warm_up)."""
+        model = self.accelerator.unwrap_model(self.model)
+        config = getattr(model, "config", None)
         implementation = getattr(config, "_attn_implementation", None)
+        if implementation == odc_hf.attention.VARLEN_ATTENTION and self.accelerator.device.type == "cuda":
+            start = time.perf_counter()
+            dtype = torch.float16 if self.args.fp16 else torch.bfloat16
+            shapes = odc_hf.attention.warm_up(model, budget, dtype=dtype)
+            logger.info("odc_hf: planned %d attention shapes in %.1f s", shapes, time.perf_counter() - start)
         if implementation in ("sdpa", "eager"):
             logger.warning(
                 "odc_hf packs several documents per microbatch; with attn_implementation=%r transformers isolates "
