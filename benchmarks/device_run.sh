@@ -4,6 +4,9 @@
 #   B: the main job with a 1.5B Qwen2 shape on LongAlign-like lengths, ODC+LB-Mini then FSDP2+LB-Micro
 #   E: attention_check.py, then benchmarks/sft_e2e.py (LongAlign-like 4/2/8 per rank, balanced, SWE-smith 4, Tulu 4)
 #   F: benchmarks/sft_e2e.py part 2 (SWE-smith-like, Tulu-like), then benchmarks/grpo_e2e.py
+#   S: benchmarks/sft_e2e.py, main configurations (LongAlign-like 4 and 2, balanced, Tulu-like 4, SWE-smith-like 4)
+#   T: benchmarks/sft_e2e.py, the rest (LongAlign-like 8, SWE-smith-like 2 and 8, Tulu-like 2 and 8)
+#   G: benchmarks/grpo_e2e.py
 #   P: benchmarks/microbatch_probe.py (fixed microbatch layouts, accumulate-kernel grid cap, profiles)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -50,4 +53,16 @@ fi
 if [ "$1" = P ]; then
   timeout 500 python3 benchmarks/microbatch_probe.py --repeats 2 --max-ctas 32 --profile --out "$OUT" 2>&1 \
     | tee "$OUT/microbatch_probe.log" | grep -v Warning | tail -30
+fi
+E2E_CAL="--calibration-lengths 512,2048,4096,8192,16384,24576,32768 --calibration-repeats 1"
+if [ "$1" = S ]; then
+  timeout 560 python3 benchmarks/sft_e2e.py --configs longalign:4:ABCD,balanced:4:BD,longalign:2:BD,tulu:4:ABCD,swe_smith:4:BD \
+    $E2E_CAL --time-budget 520 --tag main --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_main.log" | grep -v "^|" | tail -14
+fi
+if [ "$1" = T ]; then
+  timeout ${T_LIMIT:-400} python3 benchmarks/sft_e2e.py --configs tulu:2:BD,tulu:8:BD,swe_smith:2:BD,longalign:8:BD,swe_smith:8:BD \
+    $E2E_CAL --time-budget $(( ${T_LIMIT:-400} - 40 )) --tag rest --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_rest.log" | grep -v "^|" | tail -14
+fi
+if [ "$1" = G ]; then
+  timeout ${G_LIMIT:-560} python3 benchmarks/grpo_e2e.py --out "$OUT" 2>&1 | tee "$OUT/grpo_e2e.log" | tail -30
 fi

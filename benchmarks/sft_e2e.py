@@ -263,17 +263,25 @@ def _run_step(model, optimizer, odc, microbatches, global_labels, device, clock)
     }
 
 
-def _configs(args) -> list[tuple[str, int]]:
+def _configs(args) -> list[tuple[str, int, str | None]]:
+    """(workload, samples per rank, variants or None for the default rule) in run order."""
     if args.configs:
         out = []
         for item in args.configs.split(","):
-            workload, per_rank = item.split(":")
-            out.append((workload, int(per_rank)))
+            parts = item.split(":")
+            if len(parts) not in (2, 3) or not parts[1].isdigit():
+                raise SystemExit(f"--configs item {item!r}: expected workload:per_rank[:VARIANTS], e.g. longalign:4:ABCD")
+            variants = parts[2] if len(parts) == 3 else None
+            if variants is not None and (not variants or set(variants) - set(VARIANTS)):
+                raise SystemExit(f"--configs item {item!r}: variants must be letters of {''.join(VARIANTS)}")
+            out.append((parts[0], int(parts[1]), variants))
         return out
-    return [(w, m) for w in args.workloads.split(",") for m in args.minibatch]
+    return [(w, m, None) for w in args.workloads.split(",") for m in args.minibatch]
 
 
-def _variants_for(args, workload: str, per_rank: int) -> list[str]:
+def _variants_for(args, workload: str, per_rank: int, explicit: str | None = None) -> list[str]:
+    if explicit is not None:
+        return [v for v in VARIANTS if v in explicit]
     full = per_rank in args.all_variants_at
     return [v for v in args.variants.split(",") if v in ("B", "D") or full]
 
@@ -321,8 +329,8 @@ def _run(rank, world_size, args):
     for model, optimizer, odc in models.values():
         _run_step(model, optimizer, odc, warm, 63 * world_size, device, clock)
 
-    for workload, per_rank in _configs(args):
-        variants = _variants_for(args, workload, per_rank)
+    for workload, per_rank, explicit in _configs(args):
+        variants = _variants_for(args, workload, per_rank, explicit)
         num_steps = args.warmup + args.steps
         lengths = step_lengths(args, workload, per_rank, world_size, num_steps)
         plans = [plans_for_step(ls, world_size, budget, cost_model, variants) for ls in lengths]
@@ -885,7 +893,10 @@ def main(argv=None) -> None:
         help="samples per rank per step (comma list)",
     )
     parser.add_argument(
-        "--configs", default=None, help="explicit order, e.g. longalign:4,balanced:4,longalign:2"
+        "--configs",
+        default=None,
+        help="explicit order, e.g. longalign:4:ABCD,balanced:4,longalign:2 (optional :VARIANTS overrides "
+        "--variants/--all-variants-at for that config)",
     )
     parser.add_argument("--variants", default="A,B,C,D")
     parser.add_argument(

@@ -145,23 +145,27 @@ def warm_up(model: torch.nn.Module, max_length: int | None = None, dtype: torch.
     param = next(model.parameters(), None)
     if SHAPE_BUCKET <= 0 or module is None or param is None or param.device.type != "cuda":
         return 0
-    config = model.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    limit = int(max_length or config.max_position_embeddings)
     if dtype is None:
         dtype = param.dtype if param.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    count = _plan_shapes(module, model.config, int(max_length or model.config.max_position_embeddings),
+                         param.device, dtype)  # fmt: skip
+    torch.cuda.synchronize(param.device)
+    return count
+
+
+def _plan_shapes(module, config, limit: int, device, dtype) -> int:
+    """Forward+backward of ``module``'s attention at every multiple of the bucket up to ``limit`` (rounded up)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     kwargs = {"dropout": 0.0, "scaling": getattr(module, "scaling", None)}
     count = 0
     for length in range(SHAPE_BUCKET, limit + SHAPE_BUCKET, SHAPE_BUCKET):
-        shape = (1, heads, length, module.head_dim)
-        q = torch.randn(shape, device=param.device, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn((1, kv_heads, length, module.head_dim), device=param.device, dtype=dtype,
+        q = torch.randn((1, heads, length, module.head_dim), device=device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn((1, kv_heads, length, module.head_dim), device=device, dtype=dtype,
                             requires_grad=True) for _ in range(2))  # fmt: skip
         out = _document(module, q, k, v, 0, length, kwargs)
         out.backward(torch.randn_like(out))  # a dense gradient, laid out like the model's (not sum()'s expand)
         count += 1
-    torch.cuda.synchronize(param.device)
     return count
 
 

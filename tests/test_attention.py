@@ -109,7 +109,12 @@ def test_shape_buckets_change_no_output_or_gradient(monkeypatch, bucket, lengths
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_warm_up_is_a_no_op_off_cuda():
-    from odc_hf.attention import warm_up
+def test_warm_up_plans_every_bucket_and_is_a_no_op_off_cuda(monkeypatch):
+    from odc_hf import attention
 
-    assert warm_up(_model(VARLEN_ATTENTION), max_length=64) == 0
+    model = _model(VARLEN_ATTENTION)
+    assert attention.warm_up(model, max_length=64) == 0
+    monkeypatch.setattr(attention, "SHAPE_BUCKET", 16)
+    module = model.model.layers[0].self_attn
+    assert attention._plan_shapes(module, model.config, 40, torch.device("cpu"), torch.float32) == 3  # 16, 32, 48
+    assert all(p.grad is None for p in model.parameters())

@@ -167,11 +167,8 @@ class QuadraticCostModel(CostModel):
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"QuadraticCostModel.{name} must be finite and >= 0, got {value}")
-        if self.b == 0 and self.c == 0:
-            raise ValueError(
-                "QuadraticCostModel needs b or c > 0: with a cost that does not grow with length the planners "
-                "have nothing to balance (for launch-bound timings use TokenCostModel)"
-            )
+        if self.a == 0 and self.b == 0 and self.c == 0:
+            raise ValueError("QuadraticCostModel needs a, b or c > 0, otherwise everything costs nothing")
 
     @property
     def overhead(self) -> float:  # type: ignore[override]
@@ -241,7 +238,8 @@ class QuadraticCostModel(CostModel):
         shortest rows sit on the floor: ``floor`` = their median and ``(a, b, c)`` = the NNLS fit of the
         rest (at least 3 distinct token counts); ``k = 0`` is the plain additive fit. The candidate with
         the least squared error of ``max(floor, a + b·s + c·s²)`` over all rows wins (ties: fewer floor
-        rows). Timings that do not grow with length at all cannot be fitted (ValueError).
+        rows). Timings that do not grow with length (a launch-bound device) give ``b = c = 0``: then only the
+        per-microbatch overhead matters and the planners balance tokens through each document's share of it.
         """
         order = np.argsort(design[:, 1], kind="stable")
         design, t = design[order], t[order]
@@ -251,17 +249,14 @@ class QuadraticCostModel(CostModel):
             if np.unique(rest[:, 1]).size < 3:
                 break
             coef = cls._nnls(rest, t[k:])
-            if coef is None or (coef[1] == 0 and coef[2] == 0):
+            if coef is None or (k and coef[1] == 0 and coef[2] == 0):  # a floor needs something above it
                 continue
             floor = float(np.median(t[:k])) if k else 0.0
             error = float(np.sum((np.maximum(floor, design @ coef) - t) ** 2))
             if error < best_error * (1 - 1e-9):
                 best, best_error = (coef, floor), error
         if best is None:
-            raise ValueError(
-                "the timings do not grow with length, so there is no per-token cost to fit "
-                "(a launch-bound device: balance tokens with TokenCostModel)"
-            )
+            raise ValueError("all timings are zero; cannot fit a cost model")
         (a, b, c), floor = best
         return cls(a=float(a), b=float(b), c=float(c), floor=floor if floor > a else 0.0)
 
@@ -281,7 +276,7 @@ class QuadraticCostModel(CostModel):
                     full = np.zeros(3)
                     full[list(active)] = coef
                     best, best_residual = full, residual
-        return None if best is None else best / scale
+        return None if best is None or not best.any() else best / scale
 
     def describe(self) -> str:
         floor = f"max({self.floor:.4g}, " if self.floor else ""
