@@ -11,8 +11,9 @@ tokens and advantages, and trains it twice on the same samples:
 - **fsdp**: FSDP2 collectives as TRL's GRPOTrainer runs them: each rank takes its ``per_device x grad_accum``
   completions, ``grad_accum`` microbatches of ``per_device`` completions each, padded (prompts left, completions
   right) with an attention mask;
-- **odc**: ODC, the generation batch planned over ranks by cost (``plan_lb_mini``, calibrated 1.5B/H200 cost model)
-  and packed into padded microbatches of at most ``per_device x cap`` tokens: ranks run different counts.
+- **odc**: ODC, the trainer's layout (``odc_hf.integrations.grpo.plan_padded``): the generation batch split over
+  ranks by cost (LB-Mini, then balanced by padded cost; calibrated 1.5B/H200 cost model) and each rank's share
+  packed into the fewest padded microbatches of rows x longest <= ``per_device x cap`` tokens: counts differ.
 
 Both compute what GRPOTrainer computes per token (TRL's fused LM head for the completion log-probs, the clipped
 policy-gradient objective with old log-probs = detached current ones, loss normalised by the global number of
@@ -23,6 +24,11 @@ Generation phase: ``model.generate()`` (greedy, KV cache) on a few prompts of va
 to its own ``max_new_tokens``: FSDP2 collectives need ``synced_gpus=True`` (a finished rank keeps running dummy
 forwards, or the other would hang in the next all-gather); ODC runs ``synced_gpus=False``.
 Writes ``grpo_e2e_<model>_<hardware>_<date>.{json,md}`` under ``--out`` (default ``$OUT`` or benchmarks/results).
+Each step also records the cost model's prediction of both layouts (fwd+bwd only); ``--predict`` prints those
+predictions for the run's rollouts without training (CPU, seconds):
+
+    python benchmarks/grpo_e2e.py --predict --steps 20    # 1.5B/H200 calibration, the 2-GPU run's layouts
+
 Runtime on 2xH200 (measured 2026-11-29, ``--warmup 1 --steps 8``): model setup plus 9 training steps per variant
 took most of 230 s (steps of 7-9 s per variant, the first 18 s); the generation phase did not finish inside that
 limit, so give the default run (2 + 10 steps, then generation) about 6-7 minutes.
@@ -46,7 +52,8 @@ from odc_hf.run import SAFE_GPU_ENV  # noqa: E402 - after the sys.path setup
 for _k, _v in SAFE_GPU_ENV.items():
     os.environ.setdefault(_k, _v)
 
-CALIBRATION = ROOT / "benchmarks" / "results" / "calibration_qwen2.5-1.5B_h200_design.json"
+# Measured by sft_e2e on one H200 (the older calibration_qwen2.5-1.5B_h200_design.json holds unmeasured design notes).
+CALIBRATION = ROOT / "benchmarks" / "results" / "calibration_qwen2.5-1.5B_h200_2026-11-29.json"
 
 
 def parse_args(argv=None):
@@ -74,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks" / "results"))
     p.add_argument("--timeout_s", type=float, default=900)
+    p.add_argument(
+        "--predict", action="store_true", help="print both layouts' predicted step times; no training"
+    )
     return p.parse_args(argv)
 
 
@@ -119,6 +129,39 @@ def padded_microbatch(samples, device):
     return ids.to(device), attn.to(device), adv.to(device), cw
 
 
+def layouts(samples, world: int, per_device: int, grad_accum: int, budget: int, cost_model) -> dict:
+    """Per variant, per rank, the microbatches (sample indices) of one step.
+
+    fsdp: TRL's layout, rank r takes its ``per_device x grad_accum`` contiguous completions in ``grad_accum``
+    microbatches of ``per_device``; odc: the trainer's :func:`~odc_hf.integrations.grpo.plan_padded`.
+    """
+    from odc_hf.integrations.grpo import plan_padded
+
+    per_rank = per_device * grad_accum
+    fsdp = [[list(range(start, start + per_device)) for start in range(r * per_rank, (r + 1) * per_rank, per_device)]
+            for r in range(world)]  # fmt: skip
+    lengths = [len(s["prompt"]) + len(s["completion"]) for s in samples]
+    return {"fsdp": fsdp, "odc": plan_padded(lengths, world, budget, cost_model).microbatches}
+
+
+def predicted_step(samples, layout: dict, cost_model) -> dict:
+    """The cost model's fwd+bwd time of a step: fsdp Σ_j max_r (collectives per microbatch), odc max_r Σ_j.
+
+    A microbatch is priced as its padded rows: ``microbatch_cost([width] * rows)`` with width = longest prompt +
+    longest completion (TRL pads prompts left and completions right); optimizer, clipping and exchanges not included.
+    """
+
+    def cost(mb):
+        width = max(len(samples[i]["prompt"]) for i in mb) + max(len(samples[i]["completion"]) for i in mb)
+        return cost_model.microbatch_cost([width] * len(mb))
+
+    fsdp = [[cost(mb) for mb in mbs] for mbs in layout["fsdp"]]
+    odc = [[cost(mb) for mb in mbs] for mbs in layout["odc"]]
+    width = max(len(c) for c in fsdp)
+    return {"fsdp_s": sum(max(c[j] if j < len(c) else 0.0 for c in fsdp) for j in range(width)),
+            "odc_s": max(sum(c) for c in odc), "odc_microbatches": [len(c) for c in odc]}  # fmt: skip
+
+
 def grpo_loss(model, ids, attn, adv, logits_to_keep, normaliser, eps=0.2):
     """GRPOTrainer's per-token work: fused log-probs of the completion tokens, clipped objective, dapo normaliser."""
     import torch
@@ -152,6 +195,21 @@ def _build(config, device, mp, checkpointing):
     return model
 
 
+def _config(args):
+    """The model config and the sequence cap of ``args.model``."""
+    from odc_hf.data import tiny_qwen2_config
+    from odc_hf.workloads import qwen2_5_config
+
+    if args.model == "1.5B":
+        config = qwen2_5_config("1.5B")
+        config.tie_word_embeddings = True
+    else:
+        config = tiny_qwen2_config(512, hidden_size=64, num_layers=2)
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    return config, args.max_length or (8192 if args.model == "1.5B" else 512)
+
+
 def _cost_model(args, config):
     from odc_hf.balance import FlopCostModel, QuadraticCostModel
 
@@ -170,22 +228,11 @@ def _rank(rank: int, world: int, args):
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-    from odc_hf.balance.planner import plan_lb_mini
-    from odc_hf.data import tiny_qwen2_config
     from odc_hf.fsdp import install_odc
-    from odc_hf.integrations.grpo import split_for_padding
-    from odc_hf.workloads import qwen2_5_config
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if args.model == "1.5B":
-        config = qwen2_5_config("1.5B")
-        config.tie_word_embeddings = True
-    else:
-        config = tiny_qwen2_config(512, hidden_size=64, num_layers=2)
-    config.use_cache = False
-    config._attn_implementation = "sdpa"
-    cap = args.max_length or (8192 if args.model == "1.5B" else 512)
+    config, cap = _config(args)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
     models = {"fsdp": _build(config, device, mp, args.model == "1.5B"),
               "odc": _build(config, device, mp, args.model == "1.5B")}  # fmt: skip
@@ -204,16 +251,9 @@ def _rank(rank: int, world: int, args):
         if cuda:
             torch.cuda.synchronize(device)
 
-    def train_step(kind, samples, total_tokens):
+    def train_step(kind, samples, total_tokens, layout):
         model, opt = models[kind], opts[kind]
-        if kind == "fsdp":  # TRL: this rank's contiguous share, grad_accum microbatches of per_device
-            mine = samples[rank * per_rank : (rank + 1) * per_rank]
-            bundles = [mine[i : i + args.per_device] for i in range(0, per_rank, args.per_device)]
-        else:
-            lengths = [len(s["prompt"]) + len(s["completion"]) for s in samples]
-            plan = plan_lb_mini(lengths, world, budget, cost_model)
-            parts = [p for mb in plan.for_rank(rank) if mb for p in split_for_padding(mb, lengths, budget)]
-            bundles = [[samples[i] for i in mb] for mb in parts]
+        bundles = [[samples[i] for i in mb] for mb in layout[kind][rank]]
         sync()
         dist.barrier()
         start = time.perf_counter()
@@ -247,9 +287,11 @@ def _rank(rank: int, world: int, args):
         total_tokens = float(sum(len(s["completion"]) for s in samples))
         tokens = sum(len(s["prompt"]) + len(s["completion"]) for s in samples)
         order = ("fsdp", "odc") if step % 2 == 0 else ("odc", "fsdp")
-        row = {"step": step, "warmup": step < args.warmup, "tokens": tokens, "order": order}
+        layout = layouts(samples, world, args.per_device, args.grad_accum, budget, cost_model)
+        row = {"step": step, "warmup": step < args.warmup, "tokens": tokens, "order": order,
+               "predicted": predicted_step(samples, layout, cost_model)}  # fmt: skip
         for kind in order:
-            row[kind] = train_step(kind, samples, total_tokens)
+            row[kind] = train_step(kind, samples, total_tokens, layout)
         steps.append(row)
         if rank == 0:
             print(f"step {step}: fsdp {row['fsdp']['step_s']:.3f} s, odc {row['odc']['step_s']:.3f} s "
@@ -327,6 +369,8 @@ def summarise(result: dict, args) -> dict:
         "min": min(per_step),
         "max": max(per_step),
     }
+    predicted = [s["predicted"] for s in measured]
+    out["predicted_fwd_bwd_ratio"] = sum(p["fsdp_s"] for p in predicted) / sum(p["odc_s"] for p in predicted)
     out["max_rel_loss_diff"] = max(abs(s["odc"]["loss"] - s["fsdp"]["loss"]) / max(abs(s["fsdp"]["loss"]), 1e-12)
                                    for s in result["steps"])  # fmt: skip
     gen = {}
@@ -359,12 +403,15 @@ def markdown(env: dict, result: dict, summary: dict, args) -> str:
     sp = t["speedup_per_step"]
     lines += ["", f"ODC / FSDP tokens/s (medians): **{t['speedup_tokens_per_s']:.3f}x**; per-step speedup median "
               f"{sp['median']:.3f} (min {sp['min']:.3f}, max {sp['max']:.3f}); max relative loss difference "
-              f"{t['max_rel_loss_diff']:.2e}.", "", "| step | tokens | fsdp s | odc s | odc microbatches per rank |",
-              "|---|---|---|---|---|"]  # fmt: skip
+              f"{t['max_rel_loss_diff']:.2e}. The cost model predicts {t['predicted_fwd_bwd_ratio']:.3f}x for the "
+              "forward + backward passes alone (sum over the measured steps; optimizer and exchanges not modelled).", "",
+              "| step | tokens | fsdp s | odc s | odc microbatches per rank | predicted fwd+bwd fsdp / odc |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
     for s in result["steps"]:
         tag = " (warm-up)" if s["warmup"] else ""
+        p = s["predicted"]
         lines.append(f"| {s['step']}{tag} | {s['tokens']} | {s['fsdp']['step_s']:.3f} | {s['odc']['step_s']:.3f} | "
-                     f"{s['odc']['microbatches']} |")  # fmt: skip
+                     f"{s['odc']['microbatches']} | {p['fsdp_s']:.4g} / {p['odc_s']:.4g} |")  # fmt: skip
     lines += ["", "## Generation phase", "",
               f"`generate()` greedy with KV cache, {args.gen_prompts} prompts per rank, per-rank max_new_tokens "
               f"{result['new_tokens']}; FSDP2 with `synced_gpus=True` (required: ranks stop at different lengths), "
@@ -380,8 +427,33 @@ def markdown(env: dict, result: dict, summary: dict, args) -> str:
     return "\n".join(lines)
 
 
+def predict(args) -> list[dict]:
+    """``--predict``: the cost model's fwd+bwd step times of both layouts on the run's rollouts (no training, CPU)."""
+    config, cap = _config(args)
+    cost_model, cost_name = _cost_model(args, config)
+    world, budget = 2, args.per_device * cap
+    unit = "FLOPs" if cost_name == "flop" else "s"
+    rows = []
+    for step in range(args.warmup + args.steps):
+        samples = rollouts(step, world * args.per_device * args.grad_accum, cap, config.vocab_size, args.seed)
+        layout = layouts(samples, world, args.per_device, args.grad_accum, budget, cost_model)
+        rows.append({"step": step, **predicted_step(samples, layout, cost_model)})
+        r = rows[-1]
+        print(f"step {step}: predicted fwd+bwd fsdp {r['fsdp_s']:.4g}, odc {r['odc_s']:.4g} ({unit}) "
+              f"(microbatches {r['odc_microbatches']} vs {args.grad_accum} per rank)")  # fmt: skip
+    fsdp, odc = sum(r["fsdp_s"] for r in rows), sum(r["odc_s"] for r in rows)
+    print(f"{args.model}, cap {cap}, budget {budget}, {cost_name}: predicted ODC / FSDP {fsdp / odc:.3f}x over "
+          f"{len(rows)} steps; microbatches {sum(sum(r['odc_microbatches']) for r in rows)} (odc) vs "
+          f"{len(rows) * world * args.grad_accum} (fsdp)")  # fmt: skip
+    return rows
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.predict:
+        args.model = args.model or "1.5B"
+        predict(args)
+        return
     import torch
 
     from odc_hf.testing import run_ranks

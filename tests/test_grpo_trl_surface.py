@@ -85,9 +85,9 @@ def test_unbatch_collate_round_trip():
         grpo.unbatch({**batch, "pixel_values": torch.zeros(2, 3)}, torch.ones(2))
 
 
-def test_split_for_padding_keeps_padded_microbatches_within_budget():
+def test_pack_padded_keeps_padded_microbatches_within_budget():  # more in test_grpo_packing.py
     lengths = [100, 10, 10, 10, 60, 50]
-    parts = grpo.split_for_padding([0, 1, 2, 3, 4, 5], lengths, 200)
+    parts = grpo.pack_padded([0, 1, 2, 3, 4, 5], lengths, 200)
     assert sorted(i for p in parts for i in p) == list(range(6))
     assert all(len(p) * max(lengths[i] for i in p) <= 200 for p in parts)
 

@@ -11,8 +11,8 @@ completions sets the pace of every layer of every microbatch. Here, per generati
    trainer's loss is a fixed weighted sum of per-token terms, and only the weights depend on which rank and
    microbatch TRL put a sample in;
 3. one exchange (``all_gather_object`` of the unpadded samples), then every rank plans the same split of the
-   generation batch by cost (``ODCConfig.balance`` / ``cost_model``) and packs its share into padded
-   microbatches; ranks run different numbers of them;
+   generation batch by cost (``ODCConfig.balance`` / ``cost_model``, balanced as padded) and packs its share into
+   the fewest padded microbatches within the budget (:func:`plan_padded`); ranks run different numbers of them;
 4. TRL's own ``compute_loss`` runs per microbatch with the weights folded into the loss mask, so its per-token
    loss (clipping, ``delta``, KL, masks) is used as is; its per-microbatch metric collectives stay local and are
    aggregated once per step.
@@ -28,10 +28,13 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from packaging.version import Version
 
+from odc_hf.balance.partition import karmarkar_karp_labels, labels_to_parts, refine_labels
+from odc_hf.balance.plan import Plan
 from odc_hf.balance.planner import PLANNERS
 from odc_hf.integrations.trainer import Bundle, ODCMixin
 
@@ -158,16 +161,179 @@ def sample_length(sample: dict) -> int:
     return int(sample["prompt_ids"].numel() + sample["completion_ids"].numel())
 
 
-def split_for_padding(microbatch: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """Split one planned microbatch so that, padded to its longest sample, it stays within ``budget`` tokens."""
-    order = sorted(microbatch, key=lambda i: -lengths[i])
-    out: list[list[int]] = []
-    for i in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
+# -- the padded layout: which samples each rank trains, in which padded microbatches ---------------------------------
+def pack_padded(share, lengths, budget: int, cost_model=None) -> list[list[int]]:
+    """Pack one rank's samples into padded microbatches (TRL's layout) of rows x longest <= ``budget`` tokens.
+
+    Fewest microbatches first (each one costs at least a launch-bound floor on a GPU), then, among the layouts with
+    that count, the least predicted cost of the padded microbatches (``cost_model.microbatch_cost([longest] *
+    rows)``; padded tokens when ``cost_model`` is None). Exact: with the samples sorted by length (descending, ties
+    by index) some best layout cuts the sorted order into consecutive runs (giving each microbatch of a layout the
+    next-longest samples never raises its longest), and a dynamic programme over the cut points finds it. So it
+    never has more microbatches than any other padded layout of the same samples within the budget (e.g. first-fit
+    decreasing by tokens, then splitting). A pure function of the lengths; a sample longer than the budget gets a
+    microbatch of its own. Returns index lists, longest microbatch first.
+    """
+    order = sorted(share, key=lambda i: (-lengths[i], i))
+    runs = _padded_runs([lengths[i] for i in order], _PaddedPrices(cost_model, budget))[2]
+    return [order[a:b] for a, b in runs]
+
+
+class _PaddedPrices:
+    """``prices(longest, rows)[r]``: the cost of r rows padded to ``longest`` (r = 0..rows), cached per length."""
+
+    def __init__(self, cost_model, budget: int):
+        self.cost_model, self.budget, self.table = cost_model, int(budget), {}
+
+    def max_rows(self, longest: int) -> int:
+        return max(1, self.budget // max(longest, 1))
+
+    def __call__(self, longest: int, rows: int) -> list[float]:
+        prices = self.table.get(longest)
+        if prices is None or len(prices) <= rows:
+            if self.cost_model is None:
+                unit, price = float(longest), float
+            else:  # microbatch_cost([longest] * r) = price(r * doc cost)
+                unit, price = float(self.cost_model.doc_costs([longest])[0]), self.cost_model.price
+            prices = [0.0] + [price(r * unit) for r in range(1, max(rows, 2 * len(prices or ())) + 1)]
+            self.table[longest] = prices
+        return prices
+
+
+def _padded_runs(descending: list[int], prices: _PaddedPrices) -> tuple[int, float, list[tuple[int, int]]]:
+    """(count, cost, [(start, end), ...]) of the best cut of ``descending`` lengths into padded microbatches.
+
+    ``count[i]`` (fewest microbatches for the samples from i on) never grows with i, so the runs that reach it from
+    i are the longest ones: scan down from the longest run while it holds, keep the cheapest (ties: fewer rows).
+    """
+    n = len(descending)
+    count, cost, cut = [0] * (n + 1), [0.0] * (n + 1), [n] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        longest = descending[i]
+        rows = min(n - i, prices.max_rows(longest))
+        row_price = prices(longest, rows)
+        fewest, best, best_j = count[i + rows], float("inf"), i + rows
+        for r in range(rows, 0, -1):
+            j = i + r
+            if count[j] != fewest:
+                break
+            c = cost[j] + row_price[r]
+            if c <= best:
+                best, best_j = c, j
+        count[i], cost[i], cut[i] = fewest + 1, best, best_j
+    runs, i = [], 0
+    while i < n:
+        runs.append((i, cut[i]))
+        i = cut[i]
+    return count[0], cost[0], runs
+
+
+# The rebalancing's local search stops after this many samples' worth of layout evaluations (each evaluation of a
+# rank's layout counts its samples): a deterministic bound on its work (under a second), not a quality knob.
+_SEARCH_WORK = 200_000
+
+
+def _balance_padded(shares: list[list[int]], lengths: list[int], prices: _PaddedPrices) -> list[list[int]]:
+    """Rank shares balanced by their *padded* cost (the cost of their :func:`pack_padded` layouts).
+
+    Two starts: the planner's shares, and the padded microbatches of all samples (one :func:`_padded_runs` over the
+    whole generation batch: least padding) dealt to ranks by Karmarkar-Karp + refinement on their costs. The one
+    whose busiest rank is cheaper (then: lower total) is polished by a local search: moves and swaps of samples
+    (distinct lengths; equal lengths are interchangeable) between the busiest rank and the others; the change that
+    leaves the pair least busy (then with the lowest pair total) is applied while both end below the busiest rank's
+    cost. Deterministic (ties: lower rank, first candidate), bounded by ``_SEARCH_WORK``.
+    """
+    world = len(shares)
+    memo: dict[tuple[int, ...], float] = {}
+    work = 0
+
+    def rank_cost(lens) -> float:
+        nonlocal work
+        key = tuple(sorted(lens, reverse=True))
+        if key not in memo:
+            work += len(key)
+            memo[key] = _padded_runs(list(key), prices)[1]
+        return memo[key]
+
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    runs = [order[a:b] for a, b in _padded_runs([lengths[i] for i in order], prices)[2]]
+    run_costs = np.array([prices(lengths[run[0]], len(run))[len(run)] for run in runs])
+    labels = refine_labels(karmarkar_karp_labels(run_costs, world), run_costs, world)
+    dealt = [[i for k in part for i in runs[k]] for part in labels_to_parts(labels, world)]
+
+    def score(candidate):
+        loads = [rank_cost([lengths[i] for i in s]) for s in candidate]
+        return max(loads), sum(loads)
+
+    shares = [sorted(s) for s in min(([list(s) for s in shares], dealt), key=score)]
+    lens = [[lengths[i] for i in s] for s in shares]
+    loads = [rank_cost(x) for x in lens]
+
+    def without(values, x):
+        out = list(values)
+        out.remove(x)
+        return out
+
+    while work < _SEARCH_WORK:
+        hi = min(range(world), key=lambda r: (-loads[r], r))
+        best = None  # ((pair max, pair total), partner, length x from hi, length y from the partner or None)
+        for lo in sorted((r for r in range(world) if r != hi), key=lambda r: (loads[r], r)):
+            hi_lengths, lo_lengths = sorted(set(lens[hi]), reverse=True), sorted(set(lens[lo]), reverse=True)
+            swaps = [(x, y) for x in hi_lengths for y in lo_lengths if x != y]
+            changes = [(x, None) for x in hi_lengths] + swaps
+            for x, y in changes:
+                a = rank_cost(without(lens[hi], x) + ([] if y is None else [y]))
+                b = rank_cost((lens[lo] if y is None else without(lens[lo], y)) + [x])
+                key = (max(a, b), a + b)
+                if key[0] < loads[hi] * (1 - 1e-9) and (best is None or key < best[0]):
+                    best = (key, lo, x, y)
+                if work >= _SEARCH_WORK:
+                    break
+            if work >= _SEARCH_WORK:
+                break
+        if best is None:
+            break
+        _, lo, x, y = best
+        i = max(k for k in shares[hi] if lengths[k] == x)  # which of equal lengths changes rank: the last
+        shares[hi].remove(i)
+        if y is not None:
+            j = max(k for k in shares[lo] if lengths[k] == y)
+            shares[lo].remove(j)
+            shares[hi].append(j)
+        shares[lo].append(i)
+        for r in (hi, lo):
+            shares[r].sort()
+            lens[r] = [lengths[k] for k in shares[r]]
+            loads[r] = rank_cost(lens[r])
+    return shares
+
+
+def plan_padded(lengths, world_size: int, budget: int, cost_model, balance: str = "lb_mini") -> Plan:
+    """ODC's GRPO layout, one function for the trainer and the benchmark: each rank's padded microbatches.
+
+    ``PLANNERS[balance]`` (over prompt + completion lengths) decides which samples each rank gets; with ``lb_mini``
+    the shares are then balanced by their cost as padded (:func:`_balance_padded`; the planner prices packed rows,
+    but GRPO microbatches are padded). Each rank's whole share is packed by :func:`pack_padded`: fewest
+    microbatches of rows x longest <= ``budget``, then the least padded cost. The :class:`Plan` holds those
+    microbatches (costliest first) and their padded costs; its ``lower_bound`` is the planner's. A pure function of
+    its arguments: every rank computes the same plan alone, and every sample is in exactly one microbatch.
+    """
+    lengths = [int(x) for x in lengths]
+    plan = PLANNERS[balance](lengths, world_size, budget, cost_model)
+    shares = [sorted(i for mb in mbs for i in mb) for mbs in plan.microbatches]
+    prices = _PaddedPrices(cost_model, budget)
+    if balance == "lb_mini" and world_size > 1:
+        shares = _balance_padded(shares, lengths, prices)
+    microbatches, costs = [], []
+    for share in shares:
+        order = sorted(share, key=lambda i: (-lengths[i], i))
+        mbs = [order[a:b] for a, b in _padded_runs([lengths[i] for i in order], prices)[2]]
+        priced = [prices(lengths[mb[0]], len(mb))[len(mb)] for mb in mbs]
+        ranked = sorted(range(len(mbs)), key=lambda k: (-priced[k], k))
+        microbatches.append([mbs[k] for k in ranked])
+        costs.append([priced[k] for k in ranked])
+    return Plan(mode=plan.mode, microbatches=microbatches, microbatch_costs=costs, lower_bound=plan.lower_bound,
+                cost_model=plan.cost_model)  # fmt: skip
 
 
 def collate(samples: list[dict], pad_token_id: int, device) -> dict:
@@ -304,8 +470,8 @@ class _GRPOPart:
         if max(lengths) > budget:
             raise ValueError(f"a sample has {max(lengths)} tokens, more than max_tokens_per_microbatch={budget}")
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        plan = PLANNERS[self.odc_config.balance](lengths, world, budget, self._odc_cost_model())
-        mine = [part for mb in plan.for_rank(rank) if mb for part in split_for_padding(mb, lengths, budget)]
+        plan = plan_padded(lengths, world, budget, self._odc_cost_model(), self.odc_config.balance)
+        mine = plan.for_rank(rank)
         self.odc_plan_summary = plan.summary()
         self.odc_weight_scale = min(s["weight"] for s in samples)  # relative weights >= 1 (see compute_loss)
         pad = getattr(self.processing_class, "tokenizer", self.processing_class).pad_token_id
@@ -385,4 +551,11 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["SUPPORTED_LOSS_TYPES", "check_trl_grpo", "make_odc_grpo_trainer", "sample_weights"]
+__all__ = [
+    "SUPPORTED_LOSS_TYPES",
+    "check_trl_grpo",
+    "make_odc_grpo_trainer",
+    "pack_padded",
+    "plan_padded",
+    "sample_weights",
+]
