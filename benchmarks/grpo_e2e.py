@@ -112,12 +112,18 @@ def rollouts(step: int, num: int, cap: int, vocab: int, seed: int):
     return out
 
 
-def padded_microbatch(samples, device):
-    """TRL's layout: prompts left-padded, completions right-padded; labels only on completion tokens."""
+def padded_microbatch(samples, device, multiple: int = 1):
+    """TRL's layout: prompts left-padded, completions right-padded; labels only on completion tokens.
+
+    ``multiple``: round the row width up to it with masked completion columns (CUDA: see
+    ``odc_hf.integrations.grpo.CUDA_PAD_TO_MULTIPLE_OF``, a torch 2.11 cuDNN NaN at widths 64 mod 128).
+    """
     import torch
 
+    from odc_hf.integrations.grpo import padded_width
+
     pw = max(len(s["prompt"]) for s in samples)
-    cw = max(len(s["completion"]) for s in samples)
+    cw = padded_width(pw, max(len(s["completion"]) for s in samples), multiple)
     ids = torch.zeros((len(samples), pw + cw), dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, s in enumerate(samples):
@@ -148,11 +154,15 @@ def predicted_step(samples, layout: dict, cost_model) -> dict:
     """The cost model's fwd+bwd time of a step: fsdp Σ_j max_r (collectives per microbatch), odc max_r Σ_j.
 
     A microbatch is priced as its padded rows: ``microbatch_cost([width] * rows)`` with width = longest prompt +
-    longest completion (TRL pads prompts left and completions right); optimizer, clipping and exchanges not included.
+    longest completion (TRL pads prompts left and completions right), rounded up to the CUDA multiple as the GPU run
+    pads it; optimizer, clipping and exchanges not included.
     """
 
+    from odc_hf.integrations.grpo import CUDA_PAD_TO_MULTIPLE_OF, padded_width
+
     def cost(mb):
-        width = max(len(samples[i]["prompt"]) for i in mb) + max(len(samples[i]["completion"]) for i in mb)
+        prompt = max(len(samples[i]["prompt"]) for i in mb)
+        width = prompt + padded_width(prompt, max(len(samples[i]["completion"]) for i in mb), CUDA_PAD_TO_MULTIPLE_OF)
         return cost_model.microbatch_cost([width] * len(mb))
 
     fsdp = [[cost(mb) for mb in mbs] for mbs in layout["fsdp"]]
@@ -229,6 +239,7 @@ def _rank(rank: int, world: int, args):
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     from odc_hf.fsdp import install_odc
+    from odc_hf.integrations.grpo import CUDA_PAD_TO_MULTIPLE_OF
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -259,7 +270,7 @@ def _rank(rank: int, world: int, args):
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
         for mb in bundles:
-            ids, attn, adv, keep = padded_microbatch(mb, device)
+            ids, attn, adv, keep = padded_microbatch(mb, device, CUDA_PAD_TO_MULTIPLE_OF if cuda else 1)
             loss = grpo_loss(model, ids, attn, adv, keep, total_tokens)
             loss.backward()
             loss_sum += loss.detach()

@@ -182,3 +182,24 @@ def test_benchmark_predicts_fewer_microbatches_and_a_faster_step():
 def test_set_partitions_helper():
     assert sum(1 for _ in set_partitions(list(range(5)))) == 52  # Bell number
     assert all(sorted(i for mb in p for i in mb) == [0, 1, 2] for p in set_partitions([0, 1, 2]))
+
+
+def test_collate_pads_rows_to_the_multiple_with_masked_completion_columns():
+    import torch
+
+    from odc_hf.integrations.grpo import collate, padded_width
+
+    assert padded_width(100, 3676, 128) == 3740 and (100 + 3740) % 128 == 0  # 3776 = 64 mod 128 is avoided
+    assert padded_width(100, 28, 1) == 28
+    samples = [
+        {"prompt_ids": torch.arange(1, 6), "completion_ids": torch.arange(1, 60), "completion_mask": torch.ones(59, dtype=torch.long),
+         "advantages": torch.tensor(0.5), "weight": 1.0},
+        {"prompt_ids": torch.arange(1, 3), "completion_ids": torch.arange(1, 10), "completion_mask": torch.ones(9, dtype=torch.long),
+         "advantages": torch.tensor(-0.5), "weight": 1.0},
+    ]  # fmt: skip
+    plain = collate(samples, 0, "cpu")
+    wide = collate(samples, 0, "cpu", pad_to_multiple_of=128)
+    assert plain["prompt_ids"].shape[1] + plain["completion_ids"].shape[1] == 64
+    assert wide["prompt_ids"].shape[1] + wide["completion_ids"].shape[1] == 128
+    assert torch.equal(wide["completion_ids"][:, :59], plain["completion_ids"])
+    assert wide["completion_mask"][:, 59:].sum() == 0 and wide["num_label_tokens"] == plain["num_label_tokens"] == 68

@@ -336,12 +336,31 @@ def plan_padded(lengths, world_size: int, budget: int, cost_model, balance: str 
                 cost_model=plan.cost_model)  # fmt: skip
 
 
-def collate(samples: list[dict], pad_token_id: int, device) -> dict:
-    """Samples -> one padded microbatch in TRL's layout (prompts left-padded, completions right-padded)."""
+CUDA_PAD_TO_MULTIPLE_OF = 128
+"""On CUDA, padded microbatches are ``prompt + completion`` columns wide rounded up to this multiple (extra
+completion columns, masked). torch 2.11's cuDNN attention backward returns NaN in grad_q when an attention mask
+is passed, the sequence length is 64 mod 128 and a query row is fully masked (a left-padded prompt's padding):
+pytorch/pytorch#196678. Seen here as NaN weights after one such ODC microbatch (width 3776) on 2×H200. Multiples
+of 128 are clean, and fewer distinct widths also mean fewer cuDNN plans to build."""
+
+
+def padded_width(prompt: int, completion: int, multiple: int = 1) -> int:
+    """Completion columns of a padded microbatch whose longest prompt/completion are ``prompt``/``completion``."""
+    return completion + (-(prompt + completion)) % max(1, multiple)
+
+
+def collate(samples: list[dict], pad_token_id: int, device, *, pad_to_multiple_of: int = 1) -> dict:
+    """Samples -> one padded microbatch in TRL's layout (prompts left-padded, completions right-padded).
+
+    ``pad_to_multiple_of`` widens the completion side (masked columns) so that the whole row is a multiple of it.
+    """
+    prompt_width = max(s["prompt_ids"].numel() for s in samples)
+    completion_width = padded_width(prompt_width, max(s["completion_ids"].numel() for s in samples),
+                                    pad_to_multiple_of)  # fmt: skip
 
     def stack(key, value, side):
         rows = [s[key] for s in samples]
-        width = max(r.numel() for r in rows)
+        width = max(r.numel() for r in rows) if side == "left" else completion_width
         out = torch.full((len(rows), width), value, dtype=rows[0].dtype)
         for i, r in enumerate(rows):
             if side == "left":
@@ -475,7 +494,8 @@ class _GRPOPart:
         self.odc_plan_summary = plan.summary()
         self.odc_weight_scale = min(s["weight"] for s in samples)  # relative weights >= 1 (see compute_loss)
         pad = getattr(self.processing_class, "tokenizer", self.processing_class).pad_token_id
-        return GRPOBundle([collate([samples[i] for i in mb], pad, "cpu") for mb in mine])
+        multiple = CUDA_PAD_TO_MULTIPLE_OF if self.accelerator.device.type == "cuda" else 1
+        return GRPOBundle([collate([samples[i] for i in mb], pad, "cpu", pad_to_multiple_of=multiple) for mb in mine])
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss on one ODC microbatch, each sample weighted as the collective trainer weighs it.
