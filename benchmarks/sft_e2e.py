@@ -649,7 +649,8 @@ def render(payload: dict, out_dir) -> str:
     for run in payload.get("runs", []):
         c = run["calibration"]
         lines.append(f"- run at commit `{run['env']['commit']}` ({run['env']['date']}): {', '.join(run['configs'])}; "
-                     f"calibration a={c['a']:.4g}, b={c['b']:.4g}, c={c['c']:.4g}, floor={c.get('floor', 0.0):.4g}")  # fmt: skip
+                     f"calibration a={c['a']:.4g}, b={c['b']:.4g}, c={c['c']:.4g}, floor={c.get('floor', 0.0):.4g}; "
+                     f"`{run['env'].get('command', '?')}`")  # fmt: skip
     if payload.get("runs"):
         lines.append("")
     for cfg in results:
