@@ -5,7 +5,7 @@
 #   E: attention_check.py, then benchmarks/sft_e2e.py (LongAlign-like 4/2/8 per rank, balanced, SWE-smith 4, Tulu 4)
 #   F: benchmarks/sft_e2e.py part 2 (SWE-smith-like, Tulu-like), then benchmarks/grpo_e2e.py
 #   S: benchmarks/sft_e2e.py, main configurations (LongAlign-like 4 and 2, balanced, Tulu-like 4, SWE-smith-like 4)
-#   T: benchmarks/sft_e2e.py, the rest (LongAlign-like 8, SWE-smith-like 2 and 8, Tulu-like 2 and 8)
+#   T: benchmarks/sft_e2e.py, 8 samples per rank for LongAlign-like and SWE-smith-like (B, D; ~7 min)
 #   G: benchmarks/grpo_e2e.py
 #   P: benchmarks/microbatch_probe.py (fixed microbatch layouts, accumulate-kernel grid cap, profiles)
 set -uo pipefail
@@ -60,8 +60,8 @@ if [ "$1" = S ]; then
     $E2E_CAL --time-budget 520 --tag main --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_main.log" | grep -v "^|" | tail -14
 fi
 if [ "$1" = T ]; then
-  timeout ${T_LIMIT:-400} python3 benchmarks/sft_e2e.py --configs tulu:2:BD,tulu:8:BD,swe_smith:2:BD,longalign:8:BD,swe_smith:8:BD \
-    $E2E_CAL --time-budget $(( ${T_LIMIT:-400} - 40 )) --tag rest --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_rest.log" | grep -v "^|" | tail -14
+  timeout ${T_LIMIT:-560} python3 benchmarks/sft_e2e.py --configs longalign:8:BD,swe_smith:8:BD \
+    $E2E_CAL --time-budget $(( ${T_LIMIT:-560} - 40 )) --tag rest --out "$OUT" 2>&1 | tee "$OUT/sft_e2e_rest.log" | grep -v "^|" | tail -14
 fi
 if [ "$1" = G ]; then
   timeout ${G_LIMIT:-560} python3 benchmarks/grpo_e2e.py --out "$OUT" 2>&1 | tee "$OUT/grpo_e2e.log" | tail -30
