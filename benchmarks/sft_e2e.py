@@ -634,7 +634,7 @@ def render(payload: dict, out_dir) -> str:
           if (w := payload.get("attention_warm_up")) else
           ["- attention shapes: exact (no bucket), cuDNN plans built when a length first appears"]),
         "- bound = the step time with perfect balance and free communication under the single-GPU cost model: "
-        "max(Σ document costs + overhead·⌈tokens / budget⌉) / ranks, costliest document alone) + the optimizer time "
+        "max((Σ document costs + overhead·⌈tokens / budget⌉) / ranks, costliest document alone) + the optimizer time "
         "of D (the planner's `makespan_lower_bound`; the floor is left out, so it never exceeds packed rows' cost); "
         "efficiency = bound / step time. MFU: causal-halved FLOPs 6·N·s + 6·L·d·s² per sample / "
         f"(step time × ranks × {H200_PEAK_TFLOPS:.0f} TFLOP/s dense bf16 peak), recomputation not counted.",

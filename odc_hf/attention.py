@@ -121,35 +121,49 @@ def sdpa_varlen_attention_forward(
 
 
 def _document(module, query, key, value, start: int, end: int, kwargs) -> torch.Tensor:
-    """Causal SDPA of tokens ``start:end`` alone, padded to the shape bucket: (1, end - start, H, D)."""
+    """SDPA of tokens ``start:end`` alone, causal ones padded to the shape bucket: (1, end - start, H, D)."""
     n = end - start
-    pad = (-n) % SHAPE_BUCKET if SHAPE_BUCKET > 0 else 0
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    bucket = SHAPE_BUCKET if causal else 0  # zero keys after the tokens are invisible only to causal queries
+    pad = (-n) % bucket if bucket > 0 else 0
     q, k, v = (t[:, :, start:end] for t in (query, key, value))
     if pad:  # zeros after the last token: causal attention of the real tokens never sees them
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    elif SHAPE_BUCKET > 0:  # same canonical (contiguous) strides as the padded copies
+    elif bucket > 0:  # same canonical (contiguous) strides as the padded copies
         q, k, v = (t.contiguous() for t in (q, k, v))
     out = sdpa_attention_forward(module, q, k, v, None, **kwargs)[0]
     return out[:, :n] if pad else out
 
 
-def warm_up(model: torch.nn.Module, max_length: int | None = None, dtype: torch.dtype | None = None) -> int:
+def warm_up(
+    model: torch.nn.Module,
+    max_length: int | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> int:
     """Run forward+backward of one attention layer at every bucket length up to ``max_length``; return the count.
 
     Plans cuDNN's attention for every shape training can meet (see :data:`SHAPE_BUCKET`), so the first steps of
-    a run are not slower than the rest. ``max_length`` defaults to ``model.config.max_position_embeddings``;
-    ``dtype`` is the attention's compute dtype (default: the parameters' if half precision, else bfloat16).
-    No-op (returns 0) off CUDA or with ``SHAPE_BUCKET = 0``. Parameters and their gradients are not touched.
+    a run are not slower than the rest. ``max_length`` defaults to the attention config's
+    ``max_position_embeddings``; ``dtype`` is the attention's compute dtype (default: the parameters' if half
+    precision, else bfloat16); ``device`` is where training will run (default: the parameters' device; pass it when
+    the model is still on the CPU, as the Trainer's is before ``accelerator.prepare``). No-op (returns 0) off CUDA or
+    with ``SHAPE_BUCKET = 0``. Parameters, their gradients and the random number generators are not touched.
     """
     module = next((m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "head_dim")), None)
     param = next(model.parameters(), None)
-    if SHAPE_BUCKET <= 0 or module is None or param is None or param.device.type != "cuda":
+    device = torch.device(device) if device is not None else (param.device if param is not None else None)
+    if SHAPE_BUCKET <= 0 or module is None or device is None or device.type != "cuda":
         return 0
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if dtype is None:
-        dtype = param.dtype if param.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    count = _plan_shapes(module, model.config, int(max_length or model.config.max_position_embeddings),
-                         param.device, dtype)  # fmt: skip
-    torch.cuda.synchronize(param.device)
+        dtype = param.dtype if param is not None and param.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    config = getattr(module, "config", None) or model.config  # the text config of composite models
+    with torch.random.fork_rng(devices=[device]):  # leave the seeded generators as the Trainer set them
+        count = _plan_shapes(module, config, int(max_length or config.max_position_embeddings), device, dtype)
+    torch.cuda.synchronize(device)
     return count
 
 

@@ -118,3 +118,21 @@ def test_warm_up_plans_every_bucket_and_is_a_no_op_off_cuda(monkeypatch):
     module = model.model.layers[0].self_attn
     assert attention._plan_shapes(module, model.config, 40, torch.device("cpu"), torch.float32) == 3  # 16, 32, 48
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_non_causal_attention_is_never_padded(monkeypatch):
+    """Zero keys after the tokens would be visible to non-causal queries: those calls keep exact shapes."""
+    from types import SimpleNamespace
+
+    from odc_hf import attention
+
+    monkeypatch.setattr(attention, "SHAPE_BUCKET", 16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    for module, kwargs in ((SimpleNamespace(is_causal=False), {}), (SimpleNamespace(is_causal=True), {"is_causal": False})):
+        out = attention._document(module, q, k, v, 0, 5, {"dropout": 0.0, "scaling": None, **kwargs})
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        torch.testing.assert_close(out, ref)
+    causal = attention._document(SimpleNamespace(is_causal=True), q, k, v, 0, 5, {"dropout": 0.0, "scaling": None})
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(causal, ref)

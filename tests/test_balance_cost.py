@@ -72,6 +72,17 @@ def test_fit_finds_the_launch_bound_floor_and_prices_packed_rows_by_gpu_work():
     assert "max(0.18" in fitted.describe()
 
 
+def test_floor_rows_are_the_ones_the_fit_prices_below_the_floor():
+    """Measured H200 points (1.5B): the 8192-token point is GPU-bound, so it is fitted, not averaged into the floor."""
+    lengths = [512, 2048, 4096, 8192, 16384, 24576, 32768]
+    seconds = [0.1749, 0.1909, 0.1746, 0.2860, 0.6472, 1.1238, 1.6393]
+    fitted = QuadraticCostModel.fit(lengths, seconds)
+    assert fitted.floor == pytest.approx(0.1749)  # median of the three launch-bound points
+    assert fitted.microbatch_cost([8192]) == pytest.approx(0.286, rel=0.02)
+    assert fitted.microbatch_cost([17920, 10752]) == pytest.approx(1.133, rel=0.01)  # measured packed row
+    assert fitted.microbatch_cost([7168] * 4) == pytest.approx(0.990, rel=0.01)
+
+
 def test_floor_is_not_invented_for_timings_without_one():
     lengths = np.array([512, 2048, 8192, 16384, 32768])
     fitted = QuadraticCostModel.fit(lengths, 0.08 + 2e-6 * lengths + 1.5e-10 * lengths**2)

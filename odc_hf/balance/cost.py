@@ -14,7 +14,7 @@ fwd+bwd of a 1.5B model on an H200 up to ~4k tokens), while a long row is GPU-bo
 hides under the GPU's. Fitting that with an additive ``a`` instead (``a + b·s + c·s²`` over all lengths)
 prices every packed row ``a`` too cheap per extra document: measured on one H200 (1.5B, 28,672 tokens),
 rows of 2 and 4 documents took 1.13 s and 0.99 s where the additive fit said 0.98 s and 0.76 s, and the
-floor model says 1.13 s and 0.98 s (``benchmarks/results/attention_check_*``).
+floor model says 1.13 s and 0.99 s (``benchmarks/results/attention_check_*``).
 
 Three models:
 
@@ -236,7 +236,8 @@ class QuadraticCostModel(CostModel):
 
         Rows are taken in order of token count (``design[:, 1]``). Candidate ``k`` says the ``k``
         shortest rows sit on the floor: ``floor`` = their median and ``(a, b, c)`` = the NNLS fit of the
-        rest (at least 3 distinct token counts); ``k = 0`` is the plain additive fit. The candidate with
+        rest (at least 3 distinct token counts); a candidate whose fit prices its own floor rows above the
+        floor, or that splits one token count, is skipped; ``k = 0`` is the plain additive fit. The candidate with
         the least squared error of ``max(floor, a + b·s + c·s²)`` over all rows wins (ties: fewer floor
         rows). Timings that do not grow with length (a launch-bound device) give ``b = c = 0``: then only the
         per-microbatch overhead matters and the planners balance tokens through each document's share of it.
@@ -248,10 +249,14 @@ class QuadraticCostModel(CostModel):
             rest = design[k:]
             if np.unique(rest[:, 1]).size < 3:
                 break
+            if k and design[k - 1, 1] == design[k, 1]:  # split between distinct token counts only
+                continue
             coef = cls._nnls(rest, t[k:])
             if coef is None or (k and coef[1] == 0 and coef[2] == 0):  # a floor needs something above it
                 continue
             floor = float(np.median(t[:k])) if k else 0.0
+            if k and float(design[k - 1] @ coef) > floor:  # a "floor" row the fit prices above the floor
+                continue
             error = float(np.sum((np.maximum(floor, design @ coef) - t) ** 2))
             if error < best_error * (1 - 1e-9):
                 best, best_error = (coef, floor), error

@@ -218,7 +218,7 @@ class ODCMixin:
         if implementation == odc_hf.attention.VARLEN_ATTENTION and self.accelerator.device.type == "cuda":
             start = time.perf_counter()
             dtype = torch.float16 if self.args.fp16 else torch.bfloat16
-            shapes = odc_hf.attention.warm_up(model, budget, dtype=dtype)
+            shapes = odc_hf.attention.warm_up(model, budget, dtype=dtype, device=self.accelerator.device)
             logger.info("odc_hf: planned %d attention shapes in %.1f s", shapes, time.perf_counter() - start)
         if implementation in ("sdpa", "eager"):
             logger.warning(
