@@ -135,19 +135,23 @@ def padded_microbatch(samples, device, multiple: int = 1):
     return ids.to(device), attn.to(device), adv.to(device), cw
 
 
-def layouts(samples, world: int, per_device: int, grad_accum: int, budget: int, cost_model) -> dict:
+def layouts(samples, world: int, per_device: int, grad_accum: int, budget, cost_model, multiple: int = 1) -> dict:
     """Per variant, per rank, the microbatches (sample indices) of one step.
 
     fsdp: TRL's layout, rank r takes its ``per_device x grad_accum`` contiguous completions in ``grad_accum``
     microbatches of ``per_device``; odc: the trainer's :func:`~odc_hf.integrations.grpo.plan_padded`.
     """
-    from odc_hf.integrations.grpo import plan_padded
+    from odc_hf.integrations.grpo import padded_microbatch_width, plan_padded
 
     per_rank = per_device * grad_accum
     fsdp = [[list(range(start, start + per_device)) for start in range(r * per_rank, (r + 1) * per_rank, per_device)]
             for r in range(world)]  # fmt: skip
     lengths = [len(s["prompt"]) + len(s["completion"]) for s in samples]
-    return {"fsdp": fsdp, "odc": plan_padded(lengths, world, budget, cost_model).microbatches}
+    prompts = [len(s["prompt"]) for s in samples]  # the budget holds for the real padded width (rounded)
+    if budget is None:  # TRL's worst case for these samples: per_device rows of the widest padded row
+        budget = per_device * padded_microbatch_width(prompts, [len(s["completion"]) for s in samples], multiple)
+    plan = plan_padded(lengths, world, budget, cost_model, prompts=prompts, multiple=multiple)
+    return {"fsdp": fsdp, "odc": plan.microbatches, "budget": budget}
 
 
 def predicted_step(samples, layout: dict, cost_model) -> dict:
@@ -255,7 +259,6 @@ def _rank(rank: int, world: int, args):
     odc = install_odc(models["odc"], timeout_s=300)
     odc.attach_optimizer(opts["odc"])
     cost_model, cost_name = _cost_model(args, config)
-    budget = args.per_device * cap
     per_rank = args.per_device * args.grad_accum
 
     def sync():
@@ -298,8 +301,9 @@ def _rank(rank: int, world: int, args):
         total_tokens = float(sum(len(s["completion"]) for s in samples))
         tokens = sum(len(s["prompt"]) + len(s["completion"]) for s in samples)
         order = ("fsdp", "odc") if step % 2 == 0 else ("odc", "fsdp")
-        layout = layouts(samples, world, args.per_device, args.grad_accum, budget, cost_model)
-        row = {"step": step, "warmup": step < args.warmup, "tokens": tokens, "order": order,
+        layout = layouts(samples, world, args.per_device, args.grad_accum, None, cost_model,
+                         CUDA_PAD_TO_MULTIPLE_OF if cuda else 1)
+        row = {"step": step, "warmup": step < args.warmup, "tokens": tokens, "order": order, "budget": layout["budget"],
                "predicted": predicted_step(samples, layout, cost_model)}  # fmt: skip
         for kind in order:
             row[kind] = train_step(kind, samples, total_tokens, layout)
@@ -359,6 +363,7 @@ def _rank(rank: int, world: int, args):
         model.train()
     odc.close()
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+    budget = statistics.median(row["budget"] for row in steps)
     return {"steps": steps, "generation": generation, "cost_model": cost_name, "budget": budget, "cap": cap,
             "new_tokens": new_tokens, "prompt_lengths": lengths, "max_allocated_GiB": mem}  # fmt: skip
 
@@ -403,7 +408,9 @@ def markdown(env: dict, result: dict, summary: dict, args) -> str:
     lines = [f"# GRPO end to end: ODC + rebalancing vs FSDP2 collectives ({args.model})", "", env_markdown(env),
              f"- workload: grpo_aime lengths (prompts 100-300, cap {result['cap']}), seed {args.seed}; "
              f"{args.per_device} x {args.grad_accum} completions per rank per step (TRL per_device x grad_accum); "
-             f"ODC budget {result['budget']} padded tokens per microbatch; cost model {result['cost_model']}",
+             f"ODC budget per step: {args.per_device} x the widest padded row TRL's layout could form from the step's "
+             f"samples (median {result['budget']:.0f} tokens; ODC microbatches never exceed it); cost model "
+             f"{result['cost_model']}",
              f"- {args.warmup} warm-up + {args.steps} measured steps per variant, interleaved (order alternating)", "",
              "## Training phase", "",
              "| variant | step s (median) | min | max | tokens/s (median) | mean busy / step |", "|---|---|---|---|---|---|"]  # fmt: skip
@@ -440,20 +447,22 @@ def markdown(env: dict, result: dict, summary: dict, args) -> str:
 
 def predict(args) -> list[dict]:
     """``--predict``: the cost model's fwd+bwd step times of both layouts on the run's rollouts (no training, CPU)."""
+    from odc_hf.integrations.grpo import CUDA_PAD_TO_MULTIPLE_OF
+
     config, cap = _config(args)
     cost_model, cost_name = _cost_model(args, config)
-    world, budget = 2, args.per_device * cap
+    world = 2
     unit = "FLOPs" if cost_name == "flop" else "s"
     rows = []
     for step in range(args.warmup + args.steps):
         samples = rollouts(step, world * args.per_device * args.grad_accum, cap, config.vocab_size, args.seed)
-        layout = layouts(samples, world, args.per_device, args.grad_accum, budget, cost_model)
+        layout = layouts(samples, world, args.per_device, args.grad_accum, None, cost_model, CUDA_PAD_TO_MULTIPLE_OF)
         rows.append({"step": step, **predicted_step(samples, layout, cost_model)})
         r = rows[-1]
         print(f"step {step}: predicted fwd+bwd fsdp {r['fsdp_s']:.4g}, odc {r['odc_s']:.4g} ({unit}) "
               f"(microbatches {r['odc_microbatches']} vs {args.grad_accum} per rank)")  # fmt: skip
     fsdp, odc = sum(r["fsdp_s"] for r in rows), sum(r["odc_s"] for r in rows)
-    print(f"{args.model}, cap {cap}, budget {budget}, {cost_name}: predicted ODC / FSDP {fsdp / odc:.3f}x over "
+    print(f"{args.model}, cap {cap}, budget per step {args.per_device} x widest padded row, {cost_name}: predicted ODC / FSDP {fsdp / odc:.3f}x over "
           f"{len(rows)} steps; microbatches {sum(sum(r['odc_microbatches']) for r in rows)} (odc) vs "
           f"{len(rows) * world * args.grad_accum} (fsdp)")  # fmt: skip
     return rows

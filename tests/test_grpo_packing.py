@@ -203,3 +203,27 @@ def test_collate_pads_rows_to_the_multiple_with_masked_completion_columns():
     assert wide["prompt_ids"].shape[1] + wide["completion_ids"].shape[1] == 128
     assert torch.equal(wide["completion_ids"][:, :59], plain["completion_ids"])
     assert wide["completion_mask"][:, 59:].sum() == 0 and wide["num_label_tokens"] == plain["num_label_tokens"] == 68
+
+
+def test_budget_holds_for_the_real_padded_width():
+    """TRL pads rows to the longest prompt plus the longest completion (then to the column multiple): with prompt
+    lengths the packing keeps rows x that width within the budget (a lone sample may exceed it)."""
+    import random
+
+    from odc_hf.integrations.grpo import padded_microbatch_width
+
+    lengths, prompts = [1100, 1100], [1000, 100]  # (1000 + 100) and (100 + 1000): together 2 x 2000 columns
+    assert pack_padded([0, 1], lengths, 2200) == [[0, 1]]  # by sample length alone they would share
+    assert sorted(map(sorted, pack_padded([0, 1], lengths, 2200, prompts=prompts))) == [[0], [1]]
+    rng = random.Random(0)
+    for _ in range(30):
+        n, budget, multiple = rng.randint(1, 40), rng.choice([2048, 4096, 16384]), rng.choice([1, 128])
+        prompts = [rng.randint(50, 300) for _ in range(n)]
+        lengths = [p + rng.randint(1, 1800) for p in prompts]
+        plan = plan_padded(lengths, 2, budget, COST_MODELS["h200"], prompts=prompts, multiple=multiple)
+        assert sorted(i for mbs in plan.microbatches for mb in mbs for i in mb) == list(range(n))
+        for mbs in plan.microbatches:
+            for mb in mbs:
+                width = padded_microbatch_width([prompts[i] for i in mb], [lengths[i] - prompts[i] for i in mb], multiple)
+                assert len(mb) == 1 or len(mb) * width <= budget
+                assert width % multiple == 0

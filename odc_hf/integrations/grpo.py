@@ -162,7 +162,7 @@ def sample_length(sample: dict) -> int:
 
 
 # -- the padded layout: which samples each rank trains, in which padded microbatches ---------------------------------
-def pack_padded(share, lengths, budget: int, cost_model=None) -> list[list[int]]:
+def pack_padded(share, lengths, budget: int, cost_model=None, *, prompts=None, multiple: int = 1) -> list[list[int]]:
     """Pack one rank's samples into padded microbatches (TRL's layout) of rows x longest <= ``budget`` tokens.
 
     Fewest microbatches first (each one costs at least a launch-bound floor on a GPU), then, among the layouts with
@@ -173,10 +173,56 @@ def pack_padded(share, lengths, budget: int, cost_model=None) -> list[list[int]]
     never has more microbatches than any other padded layout of the same samples within the budget (e.g. first-fit
     decreasing by tokens, then splitting). A pure function of the lengths; a sample longer than the budget gets a
     microbatch of its own. Returns index lists, longest microbatch first.
+
+    ``prompts`` (prompt length per sample, so completion = length - prompt) makes the budget exact for TRL's
+    layout, where rows are padded to the longest prompt *plus* the longest completion (more than the longest
+    sample when they come from different samples), rounded up to ``multiple`` columns (see
+    :data:`CUDA_PAD_TO_MULTIPLE_OF`): the cut points are then chosen by :func:`_padded_runs_wide` on those widths
+    (still the fewest microbatches, then the cheapest, among cuts of the sorted order).
     """
     order = sorted(share, key=lambda i: (-lengths[i], i))
-    runs = _padded_runs([lengths[i] for i in order], _PaddedPrices(cost_model, budget))[2]
+    prices = _PaddedPrices(cost_model, budget)
+    if prompts is None:
+        runs = _padded_runs([lengths[i] for i in order], prices)[2]
+    else:
+        pairs = [(int(prompts[i]), int(lengths[i]) - int(prompts[i])) for i in order]
+        runs = _padded_runs_wide(pairs, prices, multiple)[2]
     return [order[a:b] for a, b in runs]
+
+
+def _padded_runs_wide(pairs, prices, multiple: int = 1) -> tuple[int, float, list[tuple[int, int]]]:
+    """:func:`_padded_runs` for (prompt, completion) pairs, width = longest prompt + longest completion, rounded.
+
+    A run's width only grows as it takes more samples, so the rows it may take end at the first that breaks the
+    budget (a single sample always fits alone). Dynamic programme over the cut points: fewest microbatches, then
+    the least cost, then fewer rows in the first run.
+    """
+    n = len(pairs)
+    best = [(0, 0.0, n)] * (n + 1)  # (count, cost, end of the first run) for the samples from i on
+    for i in range(n - 1, -1, -1):
+        prompt = completion = 0
+        choice = None
+        for j in range(i + 1, n + 1):
+            prompt, completion = max(prompt, pairs[j - 1][0]), max(completion, pairs[j - 1][1])
+            rows, width = j - i, prompt + padded_width(prompt, completion, multiple)
+            if rows > 1 and rows * width > prices.budget:
+                break
+            count, cost, _ = best[j]
+            key = (count + 1, cost + prices(width, rows)[rows], j)
+            if choice is None or key[:2] < choice[:2]:
+                choice = key
+        best[i] = choice
+    runs, i = [], 0
+    while i < n:
+        runs.append((i, best[i][2]))
+        i = best[i][2]
+    return best[0][0], best[0][1], runs
+
+
+def padded_microbatch_width(prompts, completions, multiple: int = 1) -> int:
+    """Columns of TRL's padded layout for samples with these prompt / completion lengths (rounded to ``multiple``)."""
+    prompt = max(prompts)
+    return prompt + padded_width(prompt, max(completions), multiple)
 
 
 class _PaddedPrices:
@@ -308,7 +354,9 @@ def _balance_padded(shares: list[list[int]], lengths: list[int], prices: _Padded
     return shares
 
 
-def plan_padded(lengths, world_size: int, budget: int, cost_model, balance: str = "lb_mini") -> Plan:
+def plan_padded(
+    lengths, world_size: int, budget: int, cost_model, balance: str = "lb_mini", *, prompts=None, multiple: int = 1
+) -> Plan:
     """ODC's GRPO layout, one function for the trainer and the benchmark: each rank's padded microbatches.
 
     ``PLANNERS[balance]`` (over prompt + completion lengths) decides which samples each rank gets; with ``lb_mini``
@@ -317,6 +365,10 @@ def plan_padded(lengths, world_size: int, budget: int, cost_model, balance: str 
     microbatches of rows x longest <= ``budget``, then the least padded cost. The :class:`Plan` holds those
     microbatches (costliest first) and their padded costs; its ``lower_bound`` is the planner's. A pure function of
     its arguments: every rank computes the same plan alone, and every sample is in exactly one microbatch.
+
+    Pass ``prompts`` (and the column ``multiple`` the collator pads to) to hold the budget for the real padded width
+    (longest prompt + longest completion, rounded): the final packing and the plan's costs then use it; the rank
+    balancing still prices rows by the longest sample, an approximation.
     """
     lengths = [int(x) for x in lengths]
     plan = PLANNERS[balance](lengths, world_size, budget, cost_model)
@@ -326,9 +378,13 @@ def plan_padded(lengths, world_size: int, budget: int, cost_model, balance: str 
         shares = _balance_padded(shares, lengths, prices)
     microbatches, costs = [], []
     for share in shares:
-        order = sorted(share, key=lambda i: (-lengths[i], i))
-        mbs = [order[a:b] for a, b in _padded_runs([lengths[i] for i in order], prices)[2]]
-        priced = [prices(lengths[mb[0]], len(mb))[len(mb)] for mb in mbs]
+        mbs = pack_padded(share, lengths, budget, cost_model, prompts=prompts, multiple=multiple)
+        if prompts is None:
+            widths = [lengths[mb[0]] for mb in mbs]
+        else:
+            widths = [padded_microbatch_width([prompts[i] for i in mb], [lengths[i] - prompts[i] for i in mb], multiple)
+                      for mb in mbs]  # fmt: skip
+        priced = [prices(w, len(mb))[len(mb)] for w, mb in zip(widths, mbs)]
         ranked = sorted(range(len(mbs)), key=lambda k: (-priced[k], k))
         microbatches.append([mbs[k] for k in ranked])
         costs.append([priced[k] for k in ranked])
@@ -485,16 +541,21 @@ class _GRPOPart:
         dist.all_gather_object(gathered, local)  # the one exchange per generation
         samples = [s for part in gathered for s in part]
         lengths = [sample_length(s) for s in samples]
-        budget = self.odc_config.max_tokens_per_microbatch or self.args.per_device_train_batch_size * max(lengths)
+        multiple = CUDA_PAD_TO_MULTIPLE_OF if self.accelerator.device.type == "cuda" else 1
+        prompts = [int(s["prompt_ids"].numel()) for s in samples]
+        # default: TRL's worst case for this batch, per_device rows of the widest padded row it could form
+        budget = self.odc_config.max_tokens_per_microbatch or self.args.per_device_train_batch_size * padded_microbatch_width(
+            prompts, [n - p for n, p in zip(lengths, prompts)], multiple
+        )
         if max(lengths) > budget:
             raise ValueError(f"a sample has {max(lengths)} tokens, more than max_tokens_per_microbatch={budget}")
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        plan = plan_padded(lengths, world, budget, self._odc_cost_model(), self.odc_config.balance)
+        plan = plan_padded(lengths, world, budget, self._odc_cost_model(), self.odc_config.balance,
+                           prompts=prompts, multiple=multiple)  # fmt: skip
         mine = plan.for_rank(rank)
         self.odc_plan_summary = plan.summary()
         self.odc_weight_scale = min(s["weight"] for s in samples)  # relative weights >= 1 (see compute_loss)
         pad = getattr(self.processing_class, "tokenizer", self.processing_class).pad_token_id
-        multiple = CUDA_PAD_TO_MULTIPLE_OF if self.accelerator.device.type == "cuda" else 1
         return GRPOBundle([collate([samples[i] for i in mb], pad, "cpu", pad_to_multiple_of=multiple) for mb in mine])
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
