@@ -227,3 +227,21 @@ def test_budget_holds_for_the_real_padded_width():
                 width = padded_microbatch_width([prompts[i] for i in mb], [lengths[i] - prompts[i] for i in mb], multiple)
                 assert len(mb) == 1 or len(mb) * width <= budget
                 assert width % multiple == 0
+
+
+def test_padded_reference_log_probs_keep_the_kl_term_finite():
+    import torch
+
+    from odc_hf.integrations.grpo import collate
+
+    samples = [
+        {"prompt_ids": torch.arange(1, 4), "completion_ids": torch.arange(1, 6), "completion_mask": torch.ones(5, dtype=torch.long),
+         "ref_per_token_logps": torch.full((5,), -2.0), "advantages": torch.tensor(1.0), "weight": 1.0},
+        {"prompt_ids": torch.arange(1, 4), "completion_ids": torch.arange(1, 3), "completion_mask": torch.ones(2, dtype=torch.long),
+         "ref_per_token_logps": torch.full((2,), -2.0), "advantages": torch.tensor(1.0), "weight": 1.0},
+    ]  # fmt: skip
+    batch = collate(samples, 0, "cpu", pad_to_multiple_of=16)
+    ref, mask = batch["ref_per_token_logps"], batch["completion_mask"]
+    logp = torch.where(mask.bool(), -2.5, -95.0)  # masked columns: a very unlikely token
+    kl = torch.exp(ref - logp) - (ref - logp) - 1  # TRL's k3 estimator, evaluated before masking
+    assert torch.isfinite(kl * mask).all() and torch.isfinite(kl).all()

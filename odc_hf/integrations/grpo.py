@@ -48,6 +48,10 @@ TRL_PRIVATE_ATTRIBUTES = ("_metrics", "loss_type", "beta", "ref_model", "max_com
 _PER_TOKEN = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
               "sampling_per_token_logps", "tool_mask", "importance_sampling_ratio")  # fmt: skip
 _KNOWN_KEYS = {"prompt_ids", "prompt_mask", "advantages", "num_items_in_batch", *_PER_TOKEN}
+# Padding of per-token values in masked columns. TRL evaluates exp(ref - logp) - (ref - logp) - 1 on every column
+# before masking: a reference log-prob of 0 overflows to inf (inf x 0 = NaN) where logp < -88; a very negative one
+# gives exp(...) = 0 and a finite term. (TRL's own batches hold real reference log-probs there.)
+_RIGHT_PAD = {"ref_per_token_logps": -1e4}
 # Metrics TRL's _compute_loss appends once per microbatch; aggregated over the step's microbatches of all ranks.
 _LOSS_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
                  "clip_ratio/low_min", "clip_ratio/high_max")  # fmt: skip
@@ -433,7 +437,7 @@ def collate(samples: list[dict], pad_token_id: int, device, *, pad_to_multiple_o
             if key == "importance_sampling_ratio" and first.numel() == 1:  # sequence-level ratio: (B, 1)
                 batch[key] = torch.stack([s[key].reshape(1) for s in samples])
             else:
-                batch[key] = stack(key, pad_token_id if key == "completion_ids" else 0, "right")
+                batch[key] = stack(key, _RIGHT_PAD.get(key, 0) if key != "completion_ids" else pad_token_id, "right")
     batch["advantages"] = torch.stack([s["advantages"] for s in samples])
     batch["odc_weight"] = torch.tensor([s["weight"] for s in samples], dtype=torch.float64)
     loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
