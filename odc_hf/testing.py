@@ -14,10 +14,13 @@ import os
 import pickle
 import queue as queue_mod
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from odc_hf.run import SAFE_GPU_ENV
@@ -143,3 +146,17 @@ def run_ranks(
     if not all(o.ok for o in result):
         raise RanksFailed(result)
     return [o.value for o in result]
+
+
+def accelerate_cpu(*args, env: dict | None = None, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file accelerate_configs/cpu.yaml --main_process_port 0 *args`` from the checkout.
+
+    Two CPU processes, offline (no hub, no datasets downloads), one torch thread each; ``env`` entries are added
+    to the environment. Returns the finished process (output captured as text). For the tests of this repository.
+    """
+    root = Path(__file__).resolve().parents[1]
+    full_env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}  # fmt: skip
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(root / "accelerate_configs/cpu.yaml"),
+           "--main_process_port", "0", *map(str, args)]  # fmt: skip
+    return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)

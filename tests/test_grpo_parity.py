@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from odc_hf.testing import accelerate_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
@@ -21,12 +21,9 @@ COMMON = ["--fixed_rollouts", "--max_steps", "4", "--loss_type", ",".join(LOSS_T
 
 def launch(tmp_path: Path, name: str, *extra: str) -> dict:
     out = tmp_path / name
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs/cpu.yaml"),
-           "--main_process_port", "0", str(ROOT / "examples/grpo.py"), "--output_dir", str(out),
-           "--losses_json", str(out / "losses.json"), *COMMON, *extra]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = accelerate_cpu(ROOT / "examples/grpo.py", "--output_dir", out, "--losses_json", out / "losses.json",
+                          *COMMON, *extra,
+                          env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "losses.json").read_text())
 

@@ -5,14 +5,10 @@ a local prompt data set and a reward function given by its import path, which th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from odc_hf.testing import accelerate_cpu
 
 REWARD = '''
 def digits_reward(completions, **kwargs):
@@ -33,16 +29,13 @@ def test_trl_grpo_recipe_runs_with_odc(tmp_path):
     prompts = [f"{a} + {b} = " for a in range(3, 40, 3) for b in range(2, 20, 4)]
     (data_dir / "train.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     (tmp_path / "odc_test_reward.py").write_text(REWARD)
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs/cpu.yaml"),
-           "--main_process_port", "0", "-m", "odc_hf.run", "trl.scripts.grpo",
+    args = ["-m", "odc_hf.run", "trl.scripts.grpo",
            "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(tmp_path / "out"),
            "--reward_funcs", "odc_test_reward.digits_reward", "--max_steps", "2", "--per_device_train_batch_size", "4",
            "--gradient_accumulation_steps", "2", "--num_generations", "4", "--max_completion_length", "12",
            "--report_to", "none", "--logging_steps", "1", "--save_strategy", "no", "--dtype", "float32",
-           "--bf16", "false"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+            "--bf16", "false"]  # fmt: skip
+    proc = accelerate_cpu(*args, cwd=tmp_path)  # the recipe imports the reward module from the working directory
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "Training completed" in out
