@@ -8,6 +8,7 @@
 #   T: benchmarks/sft_e2e.py, 8 samples per rank for LongAlign-like and SWE-smith-like (B, D; ~7 min)
 #   G: benchmarks/grpo_e2e.py
 #   P: benchmarks/microbatch_probe.py (fixed microbatch layouts, accumulate-kernel grid cap, profiles)
+#   V: benchmarks/trainer_checks.py (SFT/GRPO trainer parity, resume, warm-up, GRPO generate; ~5 min)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 OUT=${OUT:-/tmp/out}
@@ -65,4 +66,8 @@ if [ "$1" = T ]; then
 fi
 if [ "$1" = G ]; then
   timeout ${G_LIMIT:-560} python3 benchmarks/grpo_e2e.py --out "$OUT" 2>&1 | tee "$OUT/grpo_e2e.log" | tail -30
+fi
+if [ "$1" = V ]; then
+  timeout ${V_LIMIT:-560} python3 benchmarks/trainer_checks.py --out "$OUT" --work /tmp/trainer_checks 2>&1 \
+    | tee "$OUT/trainer_checks.log" | tail -30
 fi

@@ -143,7 +143,8 @@ def main(argv=None) -> None:
                 for s in trainer.odc_stats.steps
             ]
             Path(args.losses_json).write_text(
-                json.dumps({"history": history, "summary": summary, "steps": steps}, indent=1)
+                json.dumps({"history": history, "summary": summary, "steps": steps,
+                            "attention_warm_up": getattr(trainer, "odc_attention_warm_up", None)}, indent=1)
             )
         world = trainer.accelerator.num_processes
         mode = (

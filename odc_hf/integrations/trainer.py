@@ -138,6 +138,7 @@ class ODCMixin:
         self.odc_config = odc_config
         self.odc_stats = RunStats()
         self.odc_microbatch_timings: list[tuple[list[int], float]] = []
+        self.odc_attention_warm_up: dict | None = None  # {"shapes", "seconds", "dtype"} once warm_up ran
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
 
@@ -215,11 +216,19 @@ class ODCMixin:
         model = self.accelerator.unwrap_model(self.model)
         config = getattr(model, "config", None)
         implementation = getattr(config, "_attn_implementation", None)
-        if implementation == odc_hf.attention.VARLEN_ATTENTION and self.accelerator.device.type == "cuda":
+        # the attention's compute dtype: autocast's under mixed precision, else the parameters' (cuDNN's attention,
+        # whose plans this warms, only runs half precision; fp32 training has nothing to plan)
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.accelerator.mixed_precision)
+        param = next(model.parameters(), None)
+        if dtype is None and param is not None and param.dtype in (torch.float16, torch.bfloat16):
+            dtype = param.dtype
+        if (implementation == odc_hf.attention.VARLEN_ATTENTION and self.accelerator.device.type == "cuda"
+                and dtype is not None):  # fmt: skip
             start = time.perf_counter()
-            dtype = torch.float16 if self.args.fp16 else torch.bfloat16
             shapes = odc_hf.attention.warm_up(model, budget, dtype=dtype, device=self.accelerator.device)
-            logger.info("odc_hf: planned %d attention shapes in %.1f s", shapes, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.odc_attention_warm_up = {"shapes": shapes, "seconds": seconds, "dtype": str(dtype)}
+            logger.info("odc_hf: planned %d attention shapes in %.1f s", shapes, seconds)
         if implementation in ("sdpa", "eager"):
             logger.warning(
                 "odc_hf packs several documents per microbatch; with attn_implementation=%r transformers isolates "

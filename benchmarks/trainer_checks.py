@@ -1,0 +1,201 @@
+"""The Trainer paths end to end, through `accelerate launch` with 2 processes: the checks the CPU test suite runs,
+here on GPUs (ODC over symmetric memory, FSDP2 over NCCL) when there are 2, else on CPU.
+
+    python benchmarks/trainer_checks.py --out benchmarks/results                   # all checks
+    python benchmarks/trainer_checks.py --checks sft,resume --out /tmp/checks     # some
+
+Checks (each runs the repository's examples in fresh processes and compares their per-step records):
+- ``sft``: `examples/sft.py`, ODCSFTTrainer + LB-Mini (uneven microbatch counts) vs FSDP2 collectives + LB-Micro,
+  fp32, same global minibatches: per-step losses and gradient norms; on CUDA also whether the trainer planned the
+  attention shapes (`trainer.odc_attention_warm_up`, bf16 run).
+- ``resume``: the ODC run saves at step 5; a second run resumes from that checkpoint: steps 6-10 again.
+- ``grpo``: `examples/grpo.py --fixed_rollouts`, ODCGRPOTrainer + LB-Mini vs TRL's GRPOTrainer (collectives),
+  fp32, loss types dapo and grpo, KL reference model (beta 0.05): per-step losses and gradient norms.
+- ``grpo_generate``: ODCGRPOTrainer with `generate()` (no lockstep), bf16 on GPUs: finishes, finite losses.
+
+Writes ``trainer_checks_<hardware>_<date>.{json,md}``. Tolerances: 1e-5 relative for losses and 1e-4 for gradient
+norms (the CPU tests'); float atomics on GPUs reorder sums, so equality is not bitwise there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHECKS = ("sft", "resume", "grpo", "grpo_generate")
+SFT = ["--workload", "tulu", "--max_steps", "10", "--max_length", "2048", "--max_tokens_per_microbatch", "2048",
+       "--per_device_train_batch_size", "8", "--learning_rate", "1e-3"]  # fmt: skip
+GRPO = ["--max_steps", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+        "--max_completion_length", "48"]  # fmt: skip
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-4
+
+
+def launch(script: str, out: Path, *args, mixed_precision: str = "no", timeout: float = 400) -> tuple[dict, str]:
+    """Run ``script`` on 2 processes (GPUs through accelerate_configs/odc.yaml, else CPU); its losses JSON + log."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    args = [*map(str, args), "--output_dir", str(out), "--losses_json", str(out / "losses.json")]
+    start = time.perf_counter()
+    if torch.cuda.device_count() >= 2:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "NCCL_NVLS_ENABLE": "0",
+               "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs/odc.yaml"),
+               "--num_processes", "2", "--mixed_precision", mixed_precision, "--main_process_port", "0",
+               str(ROOT / script), *args]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    else:
+        from odc_hf.testing import accelerate_cpu
+
+        if mixed_precision != "no":
+            raise ValueError("CPU runs are fp32 (transformers rejects bf16 training on CPU)")
+        proc = accelerate_cpu(ROOT / script, *args, timeout=timeout,
+                              env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})  # fmt: skip
+    log = proc.stdout[-4000:] + proc.stderr[-8000:]
+    (out / "log.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} {' '.join(args)} exited {proc.returncode}:\n{log}")
+    print(f"  {out.name}: {script} ran in {time.perf_counter() - start:.0f} s", flush=True)
+    return json.loads((out / "losses.json").read_text()), log
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def compare(name: str, a: list[dict], b: list[dict], steps=None) -> dict:
+    """Per-step loss / grad_norm relative differences of two log histories (optionally only ``steps``)."""
+    a = {h["step"]: h for h in a if steps is None or h["step"] in steps}
+    b = {h["step"]: h for h in b if steps is None or h["step"] in steps}
+    if not a or sorted(a) != sorted(b):
+        return {"name": name, "ok": False, "why": f"steps differ: {sorted(a)} vs {sorted(b)}"}
+    loss = max(rel(a[s]["loss"], b[s]["loss"]) for s in a)
+    grad = max(rel(a[s]["grad_norm"], b[s]["grad_norm"]) for s in a if "grad_norm" in a[s])
+    finite = all(math.isfinite(a[s]["loss"]) and math.isfinite(b[s]["loss"]) for s in a)
+    ok = finite and loss <= LOSS_RTOL and grad <= GRAD_RTOL
+    return {"name": name, "ok": ok, "steps": len(a), "max_rel_loss": loss, "max_rel_grad_norm": grad,
+            "why": "" if ok else f"loss {loss:.2e} (<= {LOSS_RTOL}), grad norm {grad:.2e} (<= {GRAD_RTOL}), finite {finite}"}  # fmt: skip
+
+
+def uneven(record: dict) -> list:
+    return [s["microbatches"] for s in record.get("steps", []) if len(set(s["microbatches"])) > 1]
+
+
+def run_checks(checks, work: Path) -> list[dict]:
+    import torch
+
+    cuda = torch.cuda.device_count() >= 2
+    results = []
+    if "sft" in checks or "resume" in checks:
+        odc, _ = launch("examples/sft.py", work / "sft_odc", *SFT, "--odc", "on", "--balance", "lb_mini",
+                        "--save_steps", "5")  # fmt: skip
+    if "sft" in checks:
+        fsdp, _ = launch("examples/sft.py", work / "sft_fsdp", *SFT, "--odc", "off", "--balance", "lb_micro")
+        r = compare("sft: ODCSFTTrainer + LB-Mini vs FSDP2 + LB-Micro (fp32)", odc["history"], fsdp["history"])
+        r["uneven_steps"] = len(uneven(odc))
+        r["ok"] = r["ok"] and r["uneven_steps"] > 0 and len(odc["history"]) == 10
+        results.append(r)
+        if cuda:  # the trainer's attention warm-up runs under half precision only
+            bf16, _ = launch("examples/sft.py", work / "sft_bf16", *SFT, "--odc", "on", "--balance", "lb_mini",
+                             "--bf16", mixed_precision="bf16")  # fmt: skip
+            warm = bf16.get("attention_warm_up")
+            losses = [h["loss"] for h in bf16["history"]]
+            results.append({"name": "sft bf16: trainer planned the attention shapes (warm_up)",
+                            "ok": bool(warm and warm["shapes"] >= 2) and all(map(math.isfinite, losses)),
+                            "warm_up": warm, "losses": losses, "why": "" if warm else "no warm-up recorded"})  # fmt: skip
+    if "resume" in checks:
+        checkpoint = work / "sft_odc" / "checkpoint-5"
+        again, _ = launch("examples/sft.py", work / "sft_odc", *SFT, "--odc", "on", "--balance", "lb_mini",
+                          "--resume_from_checkpoint", checkpoint)  # fmt: skip
+        r = compare("resume: ODC run from its step-5 checkpoint, steps 6-10", again["history"], odc["history"],
+                    steps=range(6, 11))  # fmt: skip
+        r["exact"] = all(
+            a["loss"] == b["loss"]
+            for a, b in zip(
+                [h for h in again["history"] if h["step"] > 5], [h for h in odc["history"] if h["step"] > 5]
+            )
+        )
+        r["ok"] = r["ok"] and len(again["steps"]) == 5
+        results.append(r)
+    if "grpo" in checks:
+        common = [*GRPO, "--fixed_rollouts", "--loss_type", "dapo,grpo", "--beta", "0.05"]
+        odc, _ = launch("examples/grpo.py", work / "grpo_odc", *common, "--trainer", "odc", "--balance", "lb_mini",
+                        "--max_tokens_per_microbatch", "64")  # fmt: skip
+        trl, _ = launch("examples/grpo.py", work / "grpo_trl", *common, "--trainer", "trl")
+        for loss_type in ("dapo", "grpo"):
+            r = compare(f"grpo {loss_type}: ODCGRPOTrainer + LB-Mini vs TRL GRPOTrainer (fp32, beta 0.05)",
+                        odc[loss_type]["history"], trl[loss_type]["history"])  # fmt: skip
+            r["uneven_steps"] = len(uneven(odc[loss_type]))
+            results.append(r)
+    if "grpo_generate" in checks:
+        half = ["--bf16"] if cuda else []  # transformers trains bf16 on GPUs only
+        gen, _ = launch("examples/grpo.py", work / "grpo_generate", *GRPO, "--trainer", "odc", "--max_steps", "3",
+                        *half, mixed_precision="bf16" if cuda else "no")  # fmt: skip
+        history = gen["dapo"]["history"]
+        losses = [h["loss"] for h in history]
+        results.append({"name": f"grpo_generate: ODCGRPOTrainer with generate(), {'bf16' if cuda else 'fp32'}, 3 steps",
+                        "ok": len(losses) == 3 and all(map(math.isfinite, losses)), "losses": losses,
+                        "rewards": [h.get("reward") for h in history],
+                        "microbatches": [s["microbatches"] for s in gen["dapo"]["steps"]], "why": ""})  # fmt: skip
+    return results
+
+
+def markdown(payload: dict) -> str:
+    from benchmarks import report
+
+    lines = ["# Trainer paths end to end (2 processes through `accelerate launch`)", "",
+             report.env_markdown(payload["env"]).rstrip(), "", __doc__.split("Checks")[1].split("Writes")[0].strip(),
+             "", "| check | ok | max rel. loss diff | max rel. grad-norm diff | notes |", "|---|---|---:|---:|---|"]  # fmt: skip
+    for r in payload["results"]:
+        notes = []
+        if "uneven_steps" in r:
+            notes.append(f"{r['uneven_steps']} steps with uneven microbatch counts")
+        if "exact" in r:
+            notes.append("bitwise equal" if r["exact"] else "not bitwise equal")
+        if r.get("warm_up"):
+            w = r["warm_up"]
+            notes.append(f"{w['shapes']} shapes planned in {w['seconds']:.1f} s ({w['dtype']})")
+        if "losses" in r:
+            notes.append("losses " + ", ".join(f"{x:.4f}" for x in r["losses"]))
+        if r.get("microbatches"):
+            notes.append(f"microbatches per rank {r['microbatches']}")
+        if r.get("why"):
+            notes.append(r["why"])
+        cells = [f"{r[k]:.1e}" if k in r else "—" for k in ("max_rel_loss", "max_rel_grad_norm")]
+        lines.append(f"| {r['name']} | {'yes' if r['ok'] else '**no**'} | {cells[0]} | {cells[1]} | {'; '.join(notes)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    from benchmarks import report
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma list of {', '.join(CHECKS)}")
+    parser.add_argument("--out", default=str(report.RESULTS))
+    parser.add_argument("--work", default=None, help="scratch folder for the runs (default: OUT/trainer_checks_runs)")
+    args = parser.parse_args(argv)
+    checks = args.checks.split(",")
+    if unknown := set(checks) - set(CHECKS):
+        parser.error(f"unknown checks {sorted(unknown)}; choose from {', '.join(CHECKS)}")
+    env = report.environment()
+    work = Path(args.work or Path(args.out) / "trainer_checks_runs")
+    results = run_checks(checks, work)
+    payload = {"env": env, "results": results}
+    text = markdown(payload)
+    report.write(args.out, f"trainer_checks_{report.hardware_tag(env)}_{env['date'][:10]}", payload, text)
+    print(text)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
