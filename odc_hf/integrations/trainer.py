@@ -42,6 +42,16 @@ from odc_hf.integrations.stats import DeviceClock, RunStats, StepStats, plot_tim
 logger = logging.getLogger(__name__)
 
 
+def attention_dtype(mixed_precision: str | None, param_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The attention's compute dtype in training: autocast's under accelerate's ``mixed_precision`` ("bf16"/"fp16"),
+    else the parameters' if half precision, else ``None`` (fp32 attention: cuDNN's attention, whose plans
+    ``odc_hf.attention.warm_up`` builds, runs half precision only, so there is nothing to plan)."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(mixed_precision))
+    if dtype is None and param_dtype in (torch.float16, torch.bfloat16):
+        dtype = param_dtype
+    return dtype
+
+
 class Bundle(Mapping):
     """This rank's microbatches for one optimizer step.
 
@@ -216,12 +226,8 @@ class ODCMixin:
         model = self.accelerator.unwrap_model(self.model)
         config = getattr(model, "config", None)
         implementation = getattr(config, "_attn_implementation", None)
-        # the attention's compute dtype: autocast's under mixed precision, else the parameters' (cuDNN's attention,
-        # whose plans this warms, only runs half precision; fp32 training has nothing to plan)
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.accelerator.mixed_precision)
         param = next(model.parameters(), None)
-        if dtype is None and param is not None and param.dtype in (torch.float16, torch.bfloat16):
-            dtype = param.dtype
+        dtype = attention_dtype(self.accelerator.mixed_precision, param.dtype if param is not None else None)
         if (implementation == odc_hf.attention.VARLEN_ATTENTION and self.accelerator.device.type == "cuda"
                 and dtype is not None):  # fmt: skip
             start = time.perf_counter()
