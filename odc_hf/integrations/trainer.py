@@ -36,7 +36,7 @@ from odc_hf.balance import (
     TokenCostModel,
 )
 from odc_hf.config import ODCConfig
-from odc_hf.integrations.accelerator import adopt
+from odc_hf.integrations.accelerator import adopt, destroy_gloo_group_at_exit
 from odc_hf.integrations.stats import DeviceClock, RunStats, StepStats, plot_timeline
 
 logger = logging.getLogger(__name__)
@@ -419,6 +419,7 @@ class ODCMixin:
 
     def odc_finish_run(self) -> None:
         self._odc_write_timings()
+        destroy_gloo_group_at_exit()  # the gather above must not race interpreter exit (see its docstring)
         summary = self.odc_stats.total()
         if not summary or not self.accelerator.is_main_process:
             return
