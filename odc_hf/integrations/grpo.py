@@ -195,32 +195,39 @@ def pack_padded(share, lengths, budget: int, cost_model=None, *, prompts=None, m
 
 
 def _padded_runs_wide(pairs, prices, multiple: int = 1) -> tuple[int, float, list[tuple[int, int]]]:
-    """:func:`_padded_runs` for (prompt, completion) pairs, width = longest prompt + longest completion, rounded.
+    """(count, cost, [(start, end), ...]) of the best cut of (prompt, completion) pairs into padded microbatches.
 
-    A run's width only grows as it takes more samples, so the rows it may take end at the first that breaks the
-    budget (a single sample always fits alone). Dynamic programme over the cut points: fewest microbatches, then
-    the least cost, then fewer rows in the first run.
+    Width of a run = longest prompt + longest completion, rounded up to ``multiple``. It only grows as a run takes
+    more samples, so the runs from i that fit end at the first sample that breaks the budget (a sample always fits
+    alone). Dynamic programme over the cut points: fewest microbatches, then the least cost, then fewer rows.
+    ``count[j]`` (fewest microbatches for the samples from j on) never grows with j, so the runs reaching the
+    fewest count from i are the longest ones: scan down from the longest while it holds.
     """
-    n = len(pairs)
-    best = [(0, 0.0, n)] * (n + 1)  # (count, cost, end of the first run) for the samples from i on
+    n, budget, multiple = len(pairs), prices.budget, max(1, multiple)
+    count, cost, cut = [0] * (n + 1), [0.0] * (n + 1), [n] * (n + 1)
     for i in range(n - 1, -1, -1):
-        prompt = completion = 0
-        choice = None
-        for j in range(i + 1, n + 1):
-            prompt, completion = max(prompt, pairs[j - 1][0]), max(completion, pairs[j - 1][1])
-            rows, width = j - i, prompt + padded_width(prompt, completion, multiple)
-            if rows > 1 and rows * width > prices.budget:
+        widths, prompt, completion = [], 0, 0
+        for p, c in pairs[i:]:
+            prompt, completion = max(prompt, p), max(completion, c)
+            width = prompt + completion
+            width += -width % multiple  # padded_width, inlined: this loop is the planner's hot path
+            if widths and (len(widths) + 1) * width > budget:
                 break
-            count, cost, _ = best[j]
-            key = (count + 1, cost + prices(width, rows)[rows], j)
-            if choice is None or key[:2] < choice[:2]:
-                choice = key
-        best[i] = choice
+            widths.append(width)
+        fewest, best, best_j = count[i + len(widths)], float("inf"), i + len(widths)
+        for rows in range(len(widths), 0, -1):
+            j = i + rows
+            if count[j] != fewest:
+                break
+            c = cost[j] + prices(widths[rows - 1], rows)[rows]
+            if c <= best:
+                best, best_j = c, j
+        count[i], cost[i], cut[i] = fewest + 1, best, best_j
     runs, i = [], 0
     while i < n:
-        runs.append((i, best[i][2]))
-        i = best[i][2]
-    return best[0][0], best[0][1], runs
+        runs.append((i, cut[i]))
+        i = cut[i]
+    return count[0], cost[0], runs
 
 
 def padded_microbatch_width(prompts, completions, multiple: int = 1) -> int:
@@ -255,6 +262,8 @@ def _padded_runs(descending: list[int], prices: _PaddedPrices) -> tuple[int, flo
 
     ``count[i]`` (fewest microbatches for the samples from i on) never grows with i, so the runs that reach it from
     i are the longest ones: scan down from the longest run while it holds, keep the cheapest (ties: fewer rows).
+    Same result as :func:`_padded_runs_wide` with no prompt part (checked on random inputs), kept because the rank
+    balancing's local search calls it thousands of times and the width bookkeeping there doubles planning time.
     """
     n = len(descending)
     count, cost, cut = [0] * (n + 1), [0.0] * (n + 1), [n] * (n + 1)
