@@ -144,7 +144,7 @@ def main(argv=None) -> None:
             ]
             Path(args.losses_json).write_text(
                 json.dumps({"history": history, "summary": summary, "steps": steps,
-                            "attention_warm_up": getattr(trainer, "odc_attention_warm_up", None)}, indent=1)
+                            "attention_warm_up": trainer.odc_attention_warm_up}, indent=1)
             )
         world = trainer.accelerator.num_processes
         mode = (

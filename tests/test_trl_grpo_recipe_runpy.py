@@ -4,11 +4,9 @@ a local prompt data set and a reward function given by its import path, which th
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from odc_hf.testing import accelerate_cpu
+from odc_hf.testing import accelerate_cpu, local_model_and_data
 
 REWARD = '''
 def digits_reward(completions, **kwargs):
@@ -19,15 +17,8 @@ def digits_reward(completions, **kwargs):
 
 @pytest.mark.slow
 def test_trl_grpo_recipe_runs_with_odc(tmp_path):
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
-
-    tokenizer = default_tokenizer()
-    model_dir, data_dir = tmp_path / "model", tmp_path / "data"
-    tiny_qwen2_model(tokenizer).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data_dir.mkdir()
     prompts = [f"{a} + {b} = " for a in range(3, 40, 3) for b in range(2, 20, 4)]
-    (data_dir / "train.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    model_dir, data_dir = local_model_and_data(tmp_path, [{"prompt": p} for p in prompts])
     (tmp_path / "odc_test_reward.py").write_text(REWARD)
     args = ["-m", "odc_hf.run", "trl.scripts.grpo",
            "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(tmp_path / "out"),

@@ -3,24 +3,17 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from odc_hf.testing import accelerate_cpu
+from odc_hf.testing import accelerate_cpu, local_model_and_data
 
 
 @pytest.mark.slow
 def test_trl_sft_recipe_runs_with_odc(tmp_path):
-    from odc_hf.data import default_documents, default_tokenizer, tiny_qwen2_model
+    from odc_hf.data import default_documents
 
-    tokenizer = default_tokenizer()
-    model_dir, data_dir = tmp_path / "model", tmp_path / "data"
-    tiny_qwen2_model(tokenizer).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data_dir.mkdir()
     docs = [d[:3000] for d in default_documents(64) if len(d) > 200]
-    (data_dir / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    model_dir, data_dir = local_model_and_data(tmp_path, [{"text": d} for d in docs])
     args = ["-m", "odc_hf.run", "trl.scripts.sft",
            "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(tmp_path / "out"),
            "--max_steps", "3", "--per_device_train_batch_size", "4", "--max_length", "512", "--packing", "false",
