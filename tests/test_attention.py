@@ -105,8 +105,10 @@ def test_shape_buckets_change_no_output_or_gradient(monkeypatch, bucket, lengths
     out = padded(**batch)
     out.loss.backward()
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
+    # fp32 rounding only: padded rows change the order in which the embedding gradient sums its rows (measured
+    # up to 2.1e-7 on entries of magnitude ~1 with transformers 5.24); a wrong mask would move it by > 1e-3.
     for (name, p), q in zip(padded.named_parameters(), exact.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_warm_up_plans_every_bucket_and_is_a_no_op_off_cuda(monkeypatch):
