@@ -174,7 +174,9 @@ def main(argv=None) -> None:
     )
     p.add_argument("--num-minibatches", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bandwidth-sweep", type=parse_list(float), default=[6.25, 12.5, 25, 50, 100, 200])
+    p.add_argument(
+        "--bandwidth-sweep", type=parse_list(float), default=[1, 2, 3, 6.25, 12.5, 25, 50, 100, 200]
+    )
     p.add_argument("--sweep-workload", default="longalign")
     p.add_argument("--sweep-per-rank", type=int, default=4)
     p.add_argument("--sweep-gpus", type=int, default=64)

@@ -268,6 +268,10 @@ def run(argv=None) -> dict:
     for name in ("gpus_per_node", "nodes", "per_device_train_batch_size", "gradient_accumulation_steps"):
         if getattr(args, name) < 1:
             raise EstimateError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("max_length", "max_tokens", "max_samples", "max_steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise EstimateError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.network_gb_per_s <= 0:
         raise EstimateError(f"--network-gb-per-s must be > 0, got {args.network_gb_per_s}")
     lengths, source = _lengths_from_args(args)
@@ -276,8 +280,6 @@ def run(argv=None) -> dict:
     if args.max_length is not None:
         lengths = np.minimum(lengths, args.max_length)
     budget = args.max_tokens or int(lengths.max())
-    if budget < 1:
-        raise EstimateError(f"--max-tokens must be >= 1, got {budget}")
     shape = model_shape(args.model)
     try:
         cost_model, cost_text = load_cost_model(args.cost_model, shape)

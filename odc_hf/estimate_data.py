@@ -77,6 +77,8 @@ def load_tokenizer(name: str):
 
 def pick_column(columns: list[str], column: str | None) -> str:
     if column is not None:
+        if column == "prompt+completion" and {"prompt", "completion"} <= set(columns):
+            return column
         if column not in columns:
             raise EstimateError(f"--column {column!r} is not in the dataset; its columns are {columns}")
         return column

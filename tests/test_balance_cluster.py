@@ -146,14 +146,14 @@ def test_full_sharding_exposure_limits():
 
 def test_monotone_in_bandwidth_and_full_sharding_worse_when_the_network_is_slow():
     s = shape("7B", tied=False)
-    _, steps = planned(32, per_rank=2)
+    _, steps = planned(16, per_rank=2)
     totals = {name: [] for name in ("fsdp2_full", "fsdp2_hsdp", "odc_hsdp")}
-    for bw in (1.0, 6.25, 25.0, 50.0, 200.0, 1e6):
-        times = step_times(steps, s, Cluster(gpus_per_node=8, num_nodes=4, network_gb_per_s=bw), OVERHEADS)
+    for bw in (0.25, 1.0, 6.25, 25.0, 50.0, 200.0, 1e6):
+        times = step_times(steps, s, Cluster(gpus_per_node=8, num_nodes=2, network_gb_per_s=bw), OVERHEADS)
         for name in totals:
             totals[name].append(times[name]["total"])
-        if bw <= 6.25:
-            assert np.all(times["fsdp2_full"]["total"] >= times["fsdp2_hsdp"]["total"])
+        if bw <= 1.0:  # communication-bound: full sharding moves (N-1)/N / ((R-1)/R) = 1.875x HSDP's bytes
+            assert np.all(times["fsdp2_full"]["total"] > times["fsdp2_hsdp"]["total"])
     for name, series in totals.items():
         assert np.all(np.diff(np.array(series), axis=0) <= 1e-12), name
 
