@@ -40,7 +40,10 @@ from .planner import plan_lb_micro, plan_lb_mini
 __all__ = [
     "CANDIDATES",
     "PlannedStep",
+    "calibration_from_dict",
+    "flop_cost_model",
     "h200_calibration",
+    "h200_overheads",
     "load_cost_model",
     "plan_steps",
     "scale_cost_model",
