@@ -46,7 +46,7 @@ def _run(rank, world_size, args):
 
     from benchmarks.sft_e2e import _build, _calibrate, _config, _run_step, sample_ids
     from odc_hf import attention
-    from odc_hf.balance import BundleCollator
+    from odc_hf.integrations.bundle import BundleCollator
     from odc_hf.integrations.stats import DeviceClock
 
     cuda = dist.get_backend() == "nccl"

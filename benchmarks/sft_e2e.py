@@ -154,7 +154,8 @@ def _calibrate(rank, world_size, args, device, config):
     import torch.distributed as dist
     from transformers import Qwen2ForCausalLM
 
-    from odc_hf.balance.cost import QuadraticCostModel, time_lengths
+    from odc_hf.balance.cost import QuadraticCostModel
+    from odc_hf.calibrate import time_lengths
 
     grid = sorted({min(s, args.max_tokens) for s in args.calibration_lengths})
     torch.manual_seed(0)
@@ -293,9 +294,9 @@ def _run(rank, world_size, args):
 
     from benchmarks import report
     from odc_hf import attention
-    from odc_hf.balance import BundleCollator
     from odc_hf.balance.cost import FlopCostModel
     from odc_hf.balance.planner import makespan_lower_bound
+    from odc_hf.integrations.bundle import BundleCollator
     from odc_hf.integrations.stats import DeviceClock
 
     cuda = dist.get_backend() == "nccl"

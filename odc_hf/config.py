@@ -29,7 +29,7 @@ class ODCConfig:
             microbatches, balanced per microbatch index (works with collectives); ``none``: plain sharding.
         cost_model: how a sample's compute is estimated from its length: ``flop`` (6*N*s + 6*L*d*s^2 from the
             model config), ``tokens`` (linear), or the path of a JSON file with ``{"a": .., "b": .., "c": ..}`` and
-            optionally ``"floor"`` (``QuadraticCostModel.to_dict()`` of ``odc_hf.balance.calibrate``), or timings to fit.
+            optionally ``"floor"`` (``QuadraticCostModel.to_dict()`` of ``odc_hf.calibrate.calibrate``), or timings to fit.
         max_tokens_per_microbatch: token budget of one packed microbatch (memory bound). ``None``: the longest
             sample of the dataset, i.e. the smallest budget that fits every sample.
         truncate: cut samples longer than the budget instead of raising.

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel, TokenCostModel, calibrate
+from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel, TokenCostModel
+from odc_hf.calibrate import calibrate
 from odc_hf.workloads import qwen2_5_config
 
 
