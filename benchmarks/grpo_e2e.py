@@ -241,9 +241,9 @@ def _cost_model(args, config):
 def _rank(rank: int, world: int, args):
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from odc_hf.fsdp import install_odc
+    from odc_hf.fsdp import install_odc, sum_reduction
     from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
 
     cuda = dist.get_backend() == "nccl"
@@ -252,10 +252,7 @@ def _rank(rank: int, world: int, args):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
     models = {"fsdp": _build(config, device, mp, args.model == "1.5B"),
               "odc": _build(config, device, mp, args.model == "1.5B")}  # fmt: skip
-    for module in models["fsdp"].modules():  # SUM semantics, the loss carries the global normaliser (as ODC)
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    sum_reduction(models["fsdp"])  # SUM semantics, the loss carries the global normaliser (as ODC)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-6, weight_decay=0.0) for k, m in models.items()}
     odc = install_odc(models["odc"], timeout_s=300)
     odc.attach_optimizer(opts["odc"])

@@ -179,10 +179,10 @@ def _calibrate(rank, world_size, args, device, config):
 
 def _build(kind: str, config, device, args):
     import torch
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import Qwen2ForCausalLM
 
-    from odc_hf.fsdp import install_odc, shard_model
+    from odc_hf.fsdp import install_odc, shard_model, sum_reduction
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -200,10 +200,7 @@ def _build(kind: str, config, device, args):
         odc = install_odc(model, timeout_s=args.timeout)
         odc.attach_optimizer(optimizer)
     else:  # same loss semantics as ODC: gradients summed over ranks, the loss carries the global normaliser
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+        sum_reduction(model)
     return model, optimizer, odc
 
 
