@@ -309,7 +309,7 @@ def _run(rank, world_size, args):
     models = {kind: _build(kind, config, device, args) for kind in ("fsdp", "odc")}
     planned = time.monotonic()
     shapes = attention.warm_up(models["odc"][0], budget, dtype=torch.bfloat16)  # per process: serves both models
-    warm_up = {"attention_shapes": shapes, "seconds": time.monotonic() - planned, "bucket": attention.SHAPE_BUCKET}
+    warm_up = {"attention_shapes": shapes, "seconds": time.monotonic() - planned, "bucket": attention.attention_of(models["odc"][0]).shape_bucket}
     model_of = {"A": "fsdp", "B": "fsdp", "C": "odc", "D": "odc"}
     payload = {
         "env": env,

@@ -176,7 +176,8 @@ class _GRPOPart:
         lengths = [sample_length(s) for s in samples]
         multiple = CUDA_PAD_TO_MULTIPLE_OF if self.accelerator.device.type == "cuda" else 1
         prompts = [int(s["prompt_ids"].numel()) for s in samples]
-        # default: TRL's worst case for this batch, per_device rows of the widest padded row it could form
+        # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
+        # layout (docs/configuration.md): TRL's own, per_device rows of the widest padded row it could form here
         budget = self.odc_config.max_tokens_per_microbatch or self.args.per_device_train_batch_size * padded_microbatch_width(
             prompts, [n - p for n, p in zip(lengths, prompts)], multiple
         )

@@ -149,6 +149,8 @@ class ODCMixin:
         if "input_ids" not in getattr(dataset, "column_names", ["input_ids"]):
             raise ValueError("odc_hf needs a tokenized dataset with an 'input_ids' column")
         lengths = [len(ids) for ids in dataset["input_ids"]]
+        # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
+        # layout, one packed row (docs/configuration.md), i.e. the longest sample. The sampler checks the data.
         budget = self.odc_config.max_tokens_per_microbatch or max(lengths)
         self._odc_check_attention(budget)
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
@@ -168,15 +170,21 @@ class ODCMixin:
                             num_workers=self.args.dataloader_num_workers)  # fmt: skip
 
     def _odc_check_attention(self, budget: int) -> None:
-        """Packed rows under "sdpa"/"eager" attention are slow: say so once, with the fix. Under "sdpa_varlen"
-        on a GPU, plan the attention shapes of every length up to the token budget now (odc_hf.attention.warm_up)."""
+        """Packed rows under "sdpa"/"eager" attention are slow: say so once, with the fix. Under "sdpa_varlen", use
+        the setting ODCConfig names (attention_shape_bucket, attention_varlen_kernel) and, on a GPU, plan the
+        attention shapes of every length up to the token budget now (odc_hf.attention.warm_up)."""
         model = self.accelerator.unwrap_model(self.model)
         config = getattr(model, "config", None)
         implementation = getattr(config, "_attn_implementation", None)
+        varlen = odc_hf.attention.attention_of(model)
+        wanted = odc_hf.attention.VarlenAttention(shape_bucket=self.odc_config.attention_shape_bucket,
+                                                  varlen_kernel=self.odc_config.attention_varlen_kernel)  # fmt: skip
+        if varlen is not None and varlen != wanted:
+            model.set_attn_implementation(odc_hf.attention.register(wanted))
+            logger.info("odc_hf: attention %s (from ODCConfig)", wanted)
         param = next(model.parameters(), None)
         dtype = attention_dtype(self.accelerator.mixed_precision, param.dtype if param is not None else None)
-        if (implementation == odc_hf.attention.VARLEN_ATTENTION and self.accelerator.device.type == "cuda"
-                and dtype is not None):  # fmt: skip
+        if varlen is not None and self.accelerator.device.type == "cuda" and dtype is not None:
             start = time.perf_counter()
             shapes = odc_hf.attention.warm_up(model, budget, dtype=dtype, device=self.accelerator.device)
             seconds = time.perf_counter() - start
