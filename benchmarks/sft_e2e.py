@@ -1,6 +1,6 @@
 """End-to-end SFT steps on the same samples: TRL-default packing, FSDP2 + LB-Micro, ODC + LB-Micro, ODC + LB-Mini.
 
-Variants (WORKLOADS.md definitions; every variant trains the same samples in the same order):
+Variants (docs/design.md definitions; every variant trains the same samples in the same order):
 
 - **A** what users run today: TRL's own packing (``trl.pack_dataset``, best-fit decreasing into rows of the token
   budget), rows dealt round-robin over ranks like ``DistributedSampler``, one row per microbatch, FSDP2 collectives

@@ -1,4 +1,4 @@
-"""Cost models: FLOP formula against the WORKLOADS.md table, quadratic fit, calibration on CPU."""
+"""Cost models: FLOP formula against the docs/design.md table, quadratic fit, calibration on CPU."""
 
 import numpy as np
 import pytest

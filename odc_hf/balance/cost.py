@@ -18,7 +18,7 @@ floor model says 1.13 s and 0.99 s (``benchmarks/results/attention_check_*``).
 
 Three models:
 
-- :class:`FlopCostModel`: ``6·N·s + 6·L·d_attn·s²`` from a model config (WORKLOADS.md). No
+- :class:`FlopCostModel`: ``6·N·s + 6·L·d_attn·s²`` from a model config (docs/design.md). No
   measurements needed; ignores that short sequences are launch-bound on real GPUs.
 - :class:`TokenCostModel`: cost = tokens. What "balance by tokens" planners implicitly use; shown
   for comparison, and the sampler's default only because it needs no config.

@@ -3,7 +3,7 @@
 Each rank measures, per optimizer step, its *busy* time (forward/backward of its microbatches, until its
 device is idle) and its *wait* time (inside the minibatch barrier, i.e. idle because a peer is still busy).
 The numbers of all ranks are gathered once per step. Bubble rate = 1 - mean(busy) / step time, with step
-time = max over ranks of busy + wait (WORKLOADS.md's definition).
+time = max over ranks of busy + wait (docs/design.md's definition).
 """
 
 from __future__ import annotations
