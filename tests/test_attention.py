@@ -132,3 +132,27 @@ def test_non_causal_attention_is_never_padded():
     causal = attention._document(SimpleNamespace(is_causal=True), q, k, v, 0, 5, {"dropout": 0.0, "scaling": None}, 16)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
     torch.testing.assert_close(causal, ref)
+
+
+def test_trainer_applies_the_odcconfig_attention_setting():
+    """ODCConfig.attention_shape_bucket / attention_varlen_kernel choose the setting of a model on sdpa_varlen."""
+    from types import SimpleNamespace
+
+    from odc_hf import attention
+    from odc_hf.config import ODCConfig
+    from odc_hf.integrations.trainer import ODCMixin
+
+    def check(model, config):
+        accelerator = SimpleNamespace(unwrap_model=lambda m: m, mixed_precision="no", device=torch.device("cpu"))
+        ODCMixin._odc_check_attention(SimpleNamespace(accelerator=accelerator, model=model, odc_config=config), 64)
+        return attention.attention_of(model)
+
+    model = _model(VARLEN_ATTENTION)
+    assert check(model, ODCConfig()) == attention.VarlenAttention()  # the default: left as it is
+    assert model.config._attn_implementation == VARLEN_ATTENTION
+    setting = check(model, ODCConfig(attention_shape_bucket=0, attention_varlen_kernel=True))
+    assert setting == attention.VarlenAttention(shape_bucket=0, varlen_kernel=True)
+    assert model.config._attn_implementation == "sdpa_varlen_bucket0_kernel"
+    plain = _model("sdpa")
+    assert check(plain, ODCConfig(attention_shape_bucket=0)) is None  # another attention is not touched
+    assert plain.config._attn_implementation == "sdpa"
