@@ -161,7 +161,7 @@ def sdpa_varlen_attention_forward(
 
 
 def _document(module, query, key, value, start: int, end: int, kwargs, shape_bucket: int) -> torch.Tensor:
-    """SDPA of tokens ``start:end`` alone, causal ones padded to a multiple of ``shape_bucket``: (1, end - start, H, D)."""
+    """SDPA of tokens ``start:end`` alone (causal ones padded to a multiple of ``shape_bucket``): (1, n, H, D)."""
     n = end - start
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
@@ -195,8 +195,8 @@ def warm_up(
     """Run forward+backward of one attention layer at every bucket length up to ``max_length``; return the count.
 
     Plans cuDNN's attention for every shape training can meet (the shape bucket of the model's
-    :class:`VarlenAttention`), so the first steps of a run are not slower than the rest. ``max_length`` defaults to the attention config's
-    ``max_position_embeddings``; ``dtype`` is the attention's compute dtype (default: the parameters' if half
+    :class:`VarlenAttention`), so the first steps of a run are not slower than the rest. ``max_length`` defaults to
+    the attention config's ``max_position_embeddings``; ``dtype`` is the attention's compute dtype (default: the parameters' if half
     precision, else bfloat16); ``device`` is where training will run (default: the parameters' device; pass it when
     the model is still on the CPU, as the Trainer's is before ``accelerator.prepare``). No-op (returns 0) off CUDA, for
     a model not on a ``"sdpa_varlen"`` attention, or with shape bucket 0. Parameters, their gradients and the random

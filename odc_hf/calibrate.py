@@ -1,4 +1,4 @@
-"""Calibrate a cost model on the target device: time forward+backward of the model, fit ``max(floor, a + b·s + c·s²)``.
+"""Calibrate a cost model on the target device: time forward+backward of the model, fit ``max(floor, a+b·s+c·s²)``.
 
 It runs the model, so it lives above ``odc_hf.balance`` (pure planning: numbers in, plans out); the result is a
 :class:`~odc_hf.balance.QuadraticCostModel`, whose ``to_dict()`` is the JSON ``ODCConfig.cost_model`` reads.

@@ -29,7 +29,8 @@ class ODCConfig:
             microbatches, balanced per microbatch index (works with collectives); ``none``: plain sharding.
         cost_model: how a sample's compute is estimated from its length: ``flop`` (6*N*s + 6*L*d*s^2 from the
             model config), ``tokens`` (linear), or the path of a JSON file with ``{"a": .., "b": .., "c": ..}`` and
-            optionally ``"floor"`` (``QuadraticCostModel.to_dict()`` of ``odc_hf.calibrate.calibrate``), or timings to fit.
+            optionally ``"floor"`` (``QuadraticCostModel.to_dict()`` of ``odc_hf.calibrate.calibrate``), or timings
+            to fit.
         max_tokens_per_microbatch: token budget of one microbatch (the memory bound), a positive integer. ``None``:
             the smallest budget that holds the worst-case microbatch of the trainer's layout (docs/configuration.md):
             one packed row of the longest sample (SFT / Trainer), or TRL's own widest microbatch (GRPO:

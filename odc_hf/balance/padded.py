@@ -32,9 +32,9 @@ def pack_padded(share, lengths, budget: int, cost_model=None, *, prompts=None, m
 
     ``prompts`` (prompt length per sample, so completion = length - prompt) makes the budget exact for TRL's
     layout, where rows are padded to the longest prompt *plus* the longest completion (more than the longest
-    sample when they come from different samples), rounded up to ``multiple`` columns (the GRPO
-    trainer rounds to 128 on CUDA, see ``odc_hf.integrations.grpo_batch``): the cut points are then chosen by :func:`_padded_runs_wide` on those widths
-    (still the fewest microbatches, then the cheapest, among cuts of the sorted order).
+    sample when they come from different samples), rounded up to ``multiple`` columns (the GRPO trainer rounds to
+    128 on CUDA, see ``odc_hf.integrations.grpo_batch``): the cut points are then chosen by :func:`_padded_runs_wide`
+    on those widths (still the fewest microbatches, then the cheapest, among cuts of the sorted order).
     """
     return [mb for mb, _ in _pack(share, lengths, PaddedPrices(cost_model, budget), prompts, multiple)]
 

@@ -23,7 +23,7 @@ def sum_reduction(model: torch.nn.Module) -> torch.nn.Module:
     """
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not units:
-        raise ValueError("sum_reduction: the model has no FSDP2 unit; apply fully_shard (or odc_hf.fsdp.shard_model) first")
+        raise ValueError("sum_reduction: the model has no FSDP2 unit; apply fully_shard (or shard_model) first")
     for module in units:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)

@@ -1,11 +1,12 @@
 """ODC in the transformers Trainer: one bundle of microbatches per rank per optimizer step.
 
 The Trainer ties microbatches per step to ``gradient_accumulation_steps``; ODC needs each rank to run its own
-number. So (docs/design.md, "One bundle per optimizer step"): the Trainer runs with gradient accumulation 1, and each "batch" it sees is a
-:class:`Bundle`, this rank's list of packed microbatches for one optimizer step, planned by
-:class:`~odc_hf.balance.ODCBatchSampler`; ``training_step`` loops over it. Everything the Trainer does once
-per step (token counting, clipping, optimizer step, logging, saving) stays matched across ranks. The user's
-``per_device_train_batch_size x gradient_accumulation_steps x world size`` is the global minibatch.
+number. So (docs/design.md, "One bundle per optimizer step"): the Trainer runs with gradient accumulation 1, and
+each "batch" it sees is a :class:`~odc_hf.integrations.bundle.Bundle`, this rank's list of packed microbatches for
+one optimizer step, planned by :class:`~odc_hf.balance.ODCBatchSampler`; ``training_step`` loops over it.
+Everything the Trainer does once per step (token counting, clipping, optimizer step, logging, saving) stays matched
+across ranks. The user's ``per_device_train_batch_size x gradient_accumulation_steps x world size`` is the global
+minibatch.
 
 Losses are normalised by the GLOBAL number of label tokens of the minibatch (one all-reduce per step),
 so ranks running different numbers of microbatches do not reweight samples.
@@ -162,7 +163,7 @@ class ODCMixin:
         )  # fmt: skip
         pad = getattr(self.processing_class, "pad_token_id", None)
         collator = TrainerBundleCollator(max_tokens_per_microbatch=budget, truncate=self.odc_config.truncate,
-                                   pad_token_id=pad if pad is not None else 0, mask_keys=self.odc_mask_keys())  # fmt: skip
+                                         pad_token_id=pad if pad is not None else 0, mask_keys=self.odc_mask_keys())  # fmt: skip
         self.odc_sampler = sampler
         # No pin_memory: torch's pinning rebuilds Mapping batches as their type from a dict, which a Bundle is
         # not; training_step copies each microbatch to the device itself.
