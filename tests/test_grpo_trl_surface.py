@@ -14,7 +14,7 @@ from odc_hf.integrations.trl import TESTED_TRL
 
 def test_private_grpo_surfaces_exist_on_the_installed_trl():
     import trl
-    from trl import GRPOTrainer
+    from trl.trainer.grpo_trainer import GRPOTrainer  # TRL's own class, also after patch_trl() rebound trl.GRPOTrainer
 
     for name in grpo.TRL_PRIVATE_METHODS:
         assert callable(getattr(GRPOTrainer, name, None)), name
