@@ -1,6 +1,6 @@
 """End-to-end SFT steps on the same samples: TRL-default packing, FSDP2 + LB-Micro, ODC + LB-Micro, ODC + LB-Mini.
 
-Variants (WORKLOADS.md definitions; every variant trains the same samples in the same order):
+Variants (docs/design.md definitions; every variant trains the same samples in the same order):
 
 - **A** what users run today: TRL's own packing (``trl.pack_dataset``, best-fit decreasing into rows of the token
   budget), rows dealt round-robin over ranks like ``DistributedSampler``, one row per microbatch, FSDP2 collectives
@@ -39,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.sft_setup import build_model, calibrate_cost_model, model_config, run_step, sample_ids  # noqa: E402
 
 VARIANTS = ("A", "B", "C", "D")
 DESCRIPTIONS = {
@@ -49,23 +50,6 @@ DESCRIPTIONS = {
 }
 H200_PEAK_TFLOPS = 989.0
 SIM_WORLD_SIZES = (2, 8, 16, 32, 64)
-
-
-def _config(args):
-    """Qwen2.5-shaped config (or odc_hf's tiny one for CPU runs) with per-document attention on packed rows."""
-    from odc_hf.attention import VARLEN_ATTENTION
-    from odc_hf.data import tiny_qwen2_config
-    from odc_hf.workloads import qwen2_5_config
-
-    max_positions = max(32768, args.max_tokens)
-    if args.model == "tiny":
-        config = tiny_qwen2_config(512, max_position_embeddings=max_positions)
-    else:
-        config = qwen2_5_config(args.model)
-        config.tie_word_embeddings, config.use_cache = True, False
-        config.max_position_embeddings = max_positions
-    config._attn_implementation = VARLEN_ATTENTION
-    return config
 
 
 # -- the workload ---------------------------------------------------------------------------------------
@@ -81,13 +65,6 @@ def step_lengths(args, workload: str, per_rank: int, world_size: int, num_steps:
     else:
         flat = generate_lengths(workload, size * num_steps, args.seed, max_length=args.max_tokens)
     return [flat[i * size : (i + 1) * size].astype(np.int64) for i in range(num_steps)]
-
-
-def sample_ids(seed: int, step: int, index: int, length: int, vocab: int) -> list[int]:
-    import torch
-
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 10_007 + index)
-    return torch.randint(1, vocab, (int(length),), generator=g).tolist()
 
 
 def trl_rows(lengths, budget: int) -> list[list[int]]:
@@ -148,121 +125,6 @@ def _static_bytes(model, optimizer, odc) -> int:
     return total
 
 
-def _calibrate(rank, world_size, args, device, config):
-    """Fit a + b·s + c·s² to single-GPU fwd+bwd timings of an unsharded bf16 copy (grid split over ranks)."""
-    import torch
-    import torch.distributed as dist
-    from transformers import Qwen2ForCausalLM
-
-    from odc_hf.balance.cost import QuadraticCostModel, time_lengths
-
-    grid = sorted({min(s, args.max_tokens) for s in args.calibration_lengths})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config)
-    if device.type == "cuda":
-        model = model.to(torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mine = grid[rank::world_size]
-    medians = time_lengths(model, mine, repeats=args.calibration_repeats) if mine else []
-    timings = list(zip(mine, medians))
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, timings)
-    points = sorted(p for part in gathered for p in part)
-    fitted = QuadraticCostModel.fit([p[0] for p in points], [p[1] for p in points])
-    return fitted, points
-
-
-def _build(kind: str, config, device, args):
-    import torch
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-    from transformers import Qwen2ForCausalLM
-
-    from odc_hf.fsdp import install_odc, shard_model
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if device.type == "cuda"
-        else None
-    )
-    shard_model(model, mp_policy=mp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    odc = None
-    if kind == "odc":
-        odc = install_odc(model, timeout_s=args.timeout)
-        odc.attach_optimizer(optimizer)
-    else:  # same loss semantics as ODC: gradients summed over ranks, the loss carries the global normaliser
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
-    return model, optimizer, odc
-
-
-def _retries(device) -> int:
-    import torch
-
-    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
-
-
-def _run_step(model, optimizer, odc, microbatches, global_labels, device, clock) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from odc_hf import attention
-
-    cuda = device.type == "cuda"
-    batches = []
-    for mb in microbatches:
-        batches.append(
-            {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items() if k != "num_label_tokens"}
-        )
-    if cuda:
-        torch.cuda.synchronize(device)
-    dist.barrier()
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    retries, calls = _retries(device), dict(attention.CALLS)
-    t0 = time.perf_counter()
-    start = clock.mark()
-    ends = []
-    for batch in batches:
-        out = model(**batch, num_items_in_batch=global_labels)
-        out.loss.backward()
-        ends.append(clock.mark())
-        del out
-    if odc is not None:
-        odc.finish_minibatch()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt_start = clock.mark()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    opt_end = clock.mark()
-    if cuda:
-        torch.cuda.synchronize(device)
-    wall = time.perf_counter() - t0
-    ends_s = [clock.seconds(start, e) for e in ends]
-    return {
-        "wall_s": wall,
-        "mb_end_s": ends_s,
-        "busy_s": ends_s[-1] if ends_s else 0.0,
-        "opt_s": clock.seconds(opt_start, opt_end),
-        "transient_bytes": (torch.cuda.max_memory_allocated(device) - base) if cuda else 0,
-        "reserved_bytes": torch.cuda.memory_reserved(device) if cuda else 0,
-        "alloc_retries": _retries(device) - retries,
-        "attention_calls": {k: v - calls.get(k, 0) for k, v in attention.CALLS.items()},
-    }
-
-
 def _configs(args) -> list[tuple[str, int, str | None]]:
     """(workload, samples per rank, variants or None for the default rule) in run order."""
     if args.configs:
@@ -293,25 +155,25 @@ def _run(rank, world_size, args):
 
     from benchmarks import report
     from odc_hf import attention
-    from odc_hf.balance import BundleCollator
     from odc_hf.balance.cost import FlopCostModel
     from odc_hf.balance.planner import makespan_lower_bound
+    from odc_hf.integrations.bundle import BundleCollator
     from odc_hf.integrations.stats import DeviceClock
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     clock = DeviceClock(device)
-    config = _config(args)
+    config = model_config(args)
     began = time.monotonic()
     env = report.environment() if rank == 0 else None
-    cost_model, points = _calibrate(rank, world_size, args, device, config)
+    cost_model, points = calibrate_cost_model(rank, world_size, args, device, config)
     flops = FlopCostModel.from_config(config)
     budget = args.max_tokens
     collator = BundleCollator(max_tokens_per_microbatch=budget, truncate=True, pad_token_id=0)
-    models = {kind: _build(kind, config, device, args) for kind in ("fsdp", "odc")}
+    models = {kind: build_model(kind, config, device, args) for kind in ("fsdp", "odc")}
     planned = time.monotonic()
     shapes = attention.warm_up(models["odc"][0], budget, dtype=torch.bfloat16)  # per process: serves both models
-    warm_up = {"attention_shapes": shapes, "seconds": time.monotonic() - planned, "bucket": attention.SHAPE_BUCKET}
+    warm_up = {"attention_shapes": shapes, "seconds": time.monotonic() - planned, "bucket": attention.attention_of(models["odc"][0]).shape_bucket}
     model_of = {"A": "fsdp", "B": "fsdp", "C": "odc", "D": "odc"}
     payload = {
         "env": env,
@@ -327,7 +189,7 @@ def _run(rank, world_size, args):
     # one warm-up step per model on a short batch: NCCL communicators, Triton JIT of the ODC kernels
     warm = collator([[{"input_ids": list(range(1, 65))}]])
     for model, optimizer, odc in models.values():
-        _run_step(model, optimizer, odc, warm, 63 * world_size, device, clock)
+        run_step(model, optimizer, odc, warm, 63 * world_size, device, clock)
 
     for workload, per_rank, explicit in _configs(args):
         variants = _variants_for(args, workload, per_rank, explicit)
@@ -356,7 +218,7 @@ def _run(rank, world_size, args):
                 mine = plan[v][0][rank]
                 microbatches = collator([[example(i) for i in mb] for mb in mine])
                 model, optimizer, odc = models[model_of[v]]
-                rec = _run_step(model, optimizer, odc, microbatches, global_labels, device, clock)
+                rec = run_step(model, optimizer, odc, microbatches, global_labels, device, clock)
                 docs = [[min(int(ls[i]), budget) for i in mb] for mb in mine]
                 rec.update(variant=v, step=step, rank=rank, mb_tokens=[sum(d) for d in docs], mb_docs=docs)
                 records.append(rec)

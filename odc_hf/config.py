@@ -29,9 +29,12 @@ class ODCConfig:
             microbatches, balanced per microbatch index (works with collectives); ``none``: plain sharding.
         cost_model: how a sample's compute is estimated from its length: ``flop`` (6*N*s + 6*L*d*s^2 from the
             model config), ``tokens`` (linear), or the path of a JSON file with ``{"a": .., "b": .., "c": ..}`` and
-            optionally ``"floor"`` (``QuadraticCostModel.to_dict()`` of ``odc_hf.balance.calibrate``), or timings to fit.
-        max_tokens_per_microbatch: token budget of one packed microbatch (memory bound). ``None``: the longest
-            sample of the dataset, i.e. the smallest budget that fits every sample.
+            optionally ``"floor"`` (``QuadraticCostModel.to_dict()`` of ``odc_hf.calibrate.calibrate``), or timings
+            to fit.
+        max_tokens_per_microbatch: token budget of one microbatch (the memory bound), a positive integer. ``None``:
+            the smallest budget that holds the worst-case microbatch of the trainer's layout (docs/configuration.md):
+            one packed row of the longest sample (SFT / Trainer), or TRL's own widest microbatch (GRPO:
+            ``per_device_train_batch_size`` rows of the widest padded row of the generation batch).
         truncate: cut samples longer than the budget instead of raising.
         timeout_s: how long a rank waits for its peers at the minibatch barrier before raising an error that
             names them. Generous by default: a rank may legitimately run many more microbatches.
@@ -39,6 +42,11 @@ class ODCConfig:
             /dev/shm, or the temp directory when /dev/shm is too small).
         log_timeline: write ``odc_timeline.png`` (per-rank busy/idle per step) to the output directory at the
             end of training.
+        attention_shape_bucket: for a model on ``attn_implementation="sdpa_varlen"``: pad each document's attention
+            inputs to a multiple of this many tokens, so cuDNN plans few shapes, all before training (0: exact
+            shapes). See docs/attention.md.
+        attention_varlen_kernel: for a model on ``"sdpa_varlen"`` on CUDA: one torch flash-varlen call per layer
+            instead of one SDPA call per document (slower on an H200; docs/attention.md).
     """
 
     enabled: bool = True
@@ -49,6 +57,8 @@ class ODCConfig:
     timeout_s: float = 600.0
     shm_dir: str | None = None
     log_timeline: bool = True
+    attention_shape_bucket: int = 1024
+    attention_varlen_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:
@@ -58,10 +68,11 @@ class ODCConfig:
                 "balance='lb_mini' gives ranks different microbatch counts, which FSDP collectives cannot run: "
                 "use balance='lb_micro' or 'none' with enabled=False"
             )
-        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
-            raise ValueError(
-                f"max_tokens_per_microbatch must be positive, got {self.max_tokens_per_microbatch}"
-            )
+        budget = self.max_tokens_per_microbatch
+        if budget is not None and (int(budget) != budget or budget < 1):
+            raise ValueError(f"max_tokens_per_microbatch must be a positive integer, got {budget}")
+        if int(self.attention_shape_bucket) != self.attention_shape_bucket or self.attention_shape_bucket < 0:
+            raise ValueError(f"attention_shape_bucket must be an integer >= 0, got {self.attention_shape_bucket}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.cost_model not in ("flop", "tokens") and not self.cost_model.endswith(".json"):

@@ -115,9 +115,9 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
     """FSDP2 on the tiny Qwen2 with ``mode`` "odc" (uneven microbatch counts) or "fsdp" (collectives; counts
     padded to the max with zero-weighted microbatches). Returns rank 0's record of grads/norms/params."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from odc_hf.fsdp import install_odc, shard_model
+    from odc_hf.fsdp import install_odc, shard_model, sum_reduction
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     model = tiny_qwen2().to(device)
@@ -133,10 +133,7 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
         odc = install_odc(model, timeout_s=30)
         odc.attach_optimizer(opt)
     else:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)  # SUM, like ODC and the reference
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        sum_reduction(model)  # SUM, like ODC and the reference (gloo has no PREMUL_SUM)
     if load_from is not None:
         load_checkpoint(model, opt, load_from)
         if odc is not None:
