@@ -1,6 +1,7 @@
 """Multi-node predictions: ODC-HSDP vs FSDP2-HSDP vs FSDP2 full sharding on R nodes of 8 GPUs.
 
-Run through ``benchmarks/simulate.py multinode`` (the single-node sweeps of simulate.py are unchanged). The
+Run through ``benchmarks/simulate.py multinode`` (a module of that script, not a script of its own; the single-node
+sweeps of simulate.py are unchanged). The
 step-time model is the library's (:mod:`odc_hf.balance.cluster`, :mod:`odc_hf.balance.simulate`): planned
 compute under the calibrated H200 cost model, inter-node communication exposed past compute, per-step
 overheads measured on 2 x H200. Writes one markdown report, one JSON and one PNG under benchmarks/results/.
@@ -261,6 +262,3 @@ def _assumptions() -> list[str]:
     items.append(" ".join(current))
     return items
 
-
-if __name__ == "__main__":
-    main()
