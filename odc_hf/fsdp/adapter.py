@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from odc_hf.fsdp import internals
 from odc_hf.fsdp.hooks import ODCAllGather, ODCReduceScatter
 from odc_hf.transport import DEFAULT_TIMEOUT_S, ODCError, Transport, UnitSpec, make_transport
+from odc_hf.transport.failures import report_failure
 
 
 @dataclasses.dataclass
@@ -203,11 +204,13 @@ class ODCHandle:
 
     @contextlib.contextmanager
     def failure_guard(self):
-        """Tell the peers at once when this rank raises, instead of letting them wait for the timeout."""
+        """Tell every peer at once, with the exception's type and message, when this rank raises inside; where a
+        peer failed first, raise :class:`~odc_hf.transport.PeerFailedError` naming it instead
+        (:func:`odc_hf.transport.failures.report_failure`, which also releases peers blocked in collectives)."""
         try:
             yield self
         except BaseException as err:
-            self.transport.abort(f"{type(err).__name__}: {err}"[:400])
+            report_failure(self.transport, err, announce=self.transport.abort)
             raise
 
     def close(self) -> None:
