@@ -300,8 +300,10 @@ class ODCMixin:
     # -- saving ------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """On GPUs accelerate's FSDP2 path saves; on the CPU path (sharded by odc_hf) gather a full state dict
-        on every rank (a collective) and write it from the main process."""
+        on every rank (a collective) and write from the main process what the Trainer writes: the model, the
+        processing class and ``training_args.bin``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from transformers.trainer import TRAINING_ARGS_NAME
 
         if not self._odc_self_sharded():
             return super().save_model(output_dir, _internal_call)
@@ -314,6 +316,7 @@ class ODCMixin:
             self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, state_dict=state)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, Path(output_dir) / TRAINING_ARGS_NAME)  # as Trainer._save: tools read it
         self.accelerator.wait_for_everyone()
 
     def _odc_self_sharded(self) -> bool:
