@@ -133,14 +133,14 @@ def build_model(args, tokenizer, output_dir: Path):
 
 def train_one(args, loss_type: str, tokenizer, dataset):
     import torch
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
-    from odc_hf import ODCConfig
+    from odc_hf import ODCConfig, ODCGRPOConfig
     from odc_hf.integrations.grpo import __getattr__ as grpo_lazy
 
     output_dir = Path(args.output_dir) / loss_type
     model = build_model(args, tokenizer, output_dir)
-    config = GRPOConfig(
+    config = ODCGRPOConfig(  # TRL's GRPOConfig (+ odc_* fields, unused here: odc_config= below wins)
         output_dir=str(output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, num_iterations=args.num_iterations,
@@ -198,6 +198,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, once, before any process is launched
     from odc_hf.run import relaunch_if_needed
 
     relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs")

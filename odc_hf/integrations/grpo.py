@@ -44,6 +44,7 @@ from odc_hf.integrations.grpo_batch import (
 )
 from odc_hf.integrations.trainer import ODCMixin
 from odc_hf.integrations.trl import check_trl
+from odc_hf.integrations.trl_config import quiet_upstream_deprecations
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class _GRPOPart:
         """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
         from trl.trainer.utils import shuffle_sequence_dict
 
-        with self._trl_accumulation_view():
+        with self._trl_accumulation_view(), quiet_upstream_deprecations():
             batch = self._generate_and_score_completions(inputs)
         # The microbatches TRL would train on: its shuffle (same RNG draw, so runs stay comparable) and split.
         batch = shuffle_sequence_dict(batch)
