@@ -21,16 +21,26 @@ def _step_then_fail(rank, world_size, where, lives_on, signal_dir):
     """One good step on every rank; then rank 1 raises inside the guard while the others are inside ``where``."""
     import torch
     import torch.distributed as dist
-    from fsdp_helpers import loss_sum, microbatch, tiny_qwen2
+    from torch.distributed.fsdp import fully_shard
 
     import odc_hf
-    from odc_hf.fsdp import install_odc, shard_model
+    from odc_hf.fsdp import install_odc
 
-    model = tiny_qwen2()
-    shard_model(model)
+    torch.manual_seed(0)  # a plain two-unit model: no transformers import, so the ranks start fast
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
     odc = install_odc(model, timeout_s=120)  # a peer that learned nothing would wait this long at an ODC barrier
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     odc.attach_optimizer(optimizer)
+
+    def loss_sum(model, index):
+        return model(torch.randn(4, 16, generator=torch.Generator().manual_seed(index))).square().sum()
+
+    def microbatch(minibatch, rank):
+        return 10 * minibatch + rank
+
     failed_at = None
     try:
         with odc_hf.failure_guard(odc):

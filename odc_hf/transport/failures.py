@@ -44,12 +44,19 @@ _POLL_S = 0.02
 _LOST_PEER = re.compile(r"connection (closed|reset)|broken pipe|peer", re.IGNORECASE)
 
 
-def report_failure(transport: Transport, err: BaseException, *, announce: Callable[[str], None] | None = None) -> None:
+def report_failure(transport: Transport | None, err: BaseException, *,
+                   announce: Callable[[str], None] | None = None) -> None:  # fmt: skip
     """Report ``err``, raised on this rank, to the peers (see the module docstring). Raises
     :class:`PeerFailedError` (from ``err``) when a peer failed first; otherwise returns and the caller re-raises
-    ``err``. ``announce`` writes the message for the peers (default ``transport.abort``)."""
-    control = getattr(transport, "control", None)
-    if control is None or getattr(transport, "_closed", True):
+    ``err``. ``announce`` tells the peers (default ``transport.abort``; a caller with more channels, e.g. one
+    across nodes, passes its own, which should also call ``transport.abort``)."""
+    message = f"{type(err).__name__}: {err}"[:400]
+    if announce is None:
+        announce = transport.abort if transport is not None else (lambda message: None)
+    control = None if transport is None or getattr(transport, "_closed", True) else transport.control
+    if control is None:  # no control block (closed, or none on this rank): the caller's channel alone
+        if not isinstance(err, PeerFailedError):
+            announce(message)
         return
     if isinstance(err, PeerFailedError) or control.announced:  # already reported, by a peer or by an inner guard
         sever_peer_connections(control.pids, control.rank)
@@ -66,7 +73,7 @@ def report_failure(transport: Transport, err: BaseException, *, announce: Callab
             if time.monotonic() >= deadline:
                 break
             time.sleep(_POLL_S)
-    (announce or transport.abort)(f"{type(err).__name__}: {err}"[:400])
+    announce(message)
     sever_peer_connections(control.pids, control.rank)
 
 
