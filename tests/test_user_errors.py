@@ -95,8 +95,11 @@ def test_trainer_stops_before_training_with_the_numbers_and_reports_true_samples
 
 def test_sft_example_stops_on_a_dataset_smaller_than_a_minibatch_and_its_summary_survives_no_logs(tmp_path):
     env = {**os.environ, **OFFLINE, "ODC_NO_RELAUNCH": "1"}
-    run = lambda *a: subprocess.run([sys.executable, str(ROOT / "examples/sft.py"), "--output_dir", str(tmp_path), *a],
-                                    env=env, capture_output=True, text=True, timeout=300)  # noqa: E731  # fmt: skip
+
+    def run(*flags):
+        return subprocess.run([sys.executable, str(ROOT / "examples/sft.py"), "--output_dir", str(tmp_path), *flags],
+                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
     small = run("--num_samples", "10", "--per_device_train_batch_size", "64", "--max_steps", "3")  # the command
     assert small.returncode != 0 and "IndexError" not in small.stderr, small.stderr[-3000:]
     assert "the training dataset (10 samples) is smaller than one global minibatch (64" in small.stderr, small.stderr[-3000:]

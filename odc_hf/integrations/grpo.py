@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from odc_hf.balance.padded import padded_microbatch_width, plan_padded
-from odc_hf.integrations.grpo_metrics import CLIP_EXTREMES, MetricRecorder, SliceMetrics, mean_keys, rows
 from odc_hf.integrations.grpo_batch import (
     CUDA_PAD_TO_MULTIPLE_OF,
     SUPPORTED_LOSS_TYPES,
@@ -45,6 +44,7 @@ from odc_hf.integrations.grpo_batch import (
     sample_weights,
     unbatch,
 )
+from odc_hf.integrations.grpo_metrics import CLIP_EXTREMES, MetricRecorder, SliceMetrics, mean_keys, rows
 from odc_hf.integrations.trainer import ODCMixin
 from odc_hf.integrations.trl import check_trl
 from odc_hf.integrations.trl_config import quiet_upstream_deprecations
