@@ -189,7 +189,11 @@ class _GRPOPart:
             prompts, [n - p for n, p in zip(lengths, prompts)], multiple
         )
         if max(lengths) > budget:
-            raise ValueError(f"a sample has {max(lengths)} tokens, more than max_tokens_per_microbatch={budget}")
+            raise ValueError(
+                f"a prompt + completion has {max(lengths)} tokens, more than max_tokens_per_microbatch={budget}; raise "
+                "it (ODCConfig.max_tokens_per_microbatch, --odc_max_tokens_per_microbatch, ODC_MAX_TOKENS_PER_MICROBATCH) "
+                "or unset it (then TRL's own widest microbatch); GRPO samples are never truncated"
+            )  # fmt: skip
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         plan = plan_padded(lengths, world, budget, self._odc_cost_model(), self.odc_config.balance,
                            prompts=prompts, multiple=multiple)  # fmt: skip
