@@ -111,10 +111,17 @@ def load_checkpoint(model, opt, path: str) -> None:
 
 
 def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", *, start=0, save_after=None,
-                    load_from=None, checkpoint_dir=None, max_norm=1.0, fail_rank=None):  # fmt: skip
+                    load_from=None, checkpoint_dir=None, max_norm=1.0, fail_rank=None, fail_mode="raise",
+                    mesh_shape=None, timeout_s=30):  # fmt: skip
     """FSDP2 on the tiny Qwen2 with ``mode`` "odc" (uneven microbatch counts) or "fsdp" (collectives; counts
-    padded to the max with zero-weighted microbatches). Returns rank 0's record of grads/norms/params."""
+    padded to the max with zero-weighted microbatches). Returns rank 0's record of grads/norms/params.
+
+    ``mesh_shape=(R, S)``: HSDP on a ``(replicate, shard)`` mesh (FSDP2's own all-reduce per microbatch in
+    "fsdp" mode). ``fail_rank`` raises (``fail_mode="raise"``) or dies (``"die"``) in minibatch 1."""
+    import os
+
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
     from odc_hf.fsdp import install_odc, shard_model
@@ -126,11 +133,14 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
         if policy == "bf16"
         else None
     )
-    shard_model(model, mp_policy=mp)
+    mesh = None
+    if mesh_shape is not None:
+        mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("replicate", "shard"))
+    shard_model(model, mp_policy=mp, mesh=mesh)
     opt = make_optimizer(model)
     odc = None
     if mode == "odc":
-        odc = install_odc(model, timeout_s=30)
+        odc = install_odc(model, timeout_s=timeout_s)
         odc.attach_optimizer(opt)
     else:
         for module in model.modules():
@@ -151,11 +161,15 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
             mine, weights = mine + [microbatch(m, 0)] * pad, weights + [0.0] * pad
         guard = odc.failure_guard() if odc is not None else _nullcontext()
         with guard:
-            for i, (ids, w) in enumerate(zip(mine, weights)):
-                if fail_rank == rank and m == 1 and i == 0:
-                    raise RuntimeError("data loader exploded")
+            if fail_rank == rank and m == 1:
+                if fail_mode == "die":
+                    os._exit(3)
+                raise RuntimeError("data loader exploded")
+            for ids, w in zip(mine, weights):
                 (loss_sum(model, ids) * w / total).backward()
         if odc is not None:
+            if mesh_shape is not None:
+                check_partial_reduce_outputs(odc)
             got = odc.finish_minibatch(tokens(mine))
             assert got == total, (got, total)
         grads = snapshot(model, grads=True)
@@ -169,6 +183,22 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
     if odc is not None:
         odc.close()
     return record if rank == 0 else None
+
+
+def check_partial_reduce_outputs(odc) -> None:
+    """HSDP: what FSDP2 keeps as its partial reduce-scatter output must be ODC's shared zero buffer, still zero
+    (no gradient memory of its own); on a shard group of one rank it is the accumulator itself (not checked)."""
+    from odc_hf.fsdp import internals
+
+    if odc.world_size == 1:
+        return
+    buffers = [b for b in odc._zero_outputs.values()]
+    for unit in odc.units:
+        kept = internals.partial_reduce_output(unit.param_group)
+        if kept is None:
+            continue  # no microbatch yet on this rank
+        assert any(kept.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers), unit.name
+        assert not kept.any(), f"{unit.name}: the zero buffer was written"
 
 
 def _nullcontext():
