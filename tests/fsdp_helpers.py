@@ -110,6 +110,10 @@ def load_checkpoint(model, opt, path: str) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+STARTED: dict[int, float] = {}
+"""``time.monotonic()`` at the start of each minibatch of the last ``distributed_run`` in this process."""
+
+
 def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", *, start=0, save_after=None,
                     load_from=None, checkpoint_dir=None, max_norm=1.0, fail_rank=None, fail_mode="raise",
                     mesh_shape=None, timeout_s=30):  # fmt: skip
@@ -119,6 +123,7 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
     ``mesh_shape=(R, S)``: HSDP on a ``(replicate, shard)`` mesh (FSDP2's own all-reduce per microbatch in
     "fsdp" mode). ``fail_rank`` raises (``fail_mode="raise"``) or dies (``"die"``) in minibatch 1."""
     import os
+    import time
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -160,12 +165,17 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
             pad = max(schedule(counts, m)) - len(mine)
             mine, weights = mine + [microbatch(m, 0)] * pad, weights + [0.0] * pad
         guard = odc.failure_guard() if odc is not None else _nullcontext()
+        STARTED[m] = time.monotonic()
         with guard:
-            if fail_rank == rank and m == 1:
-                if fail_mode == "die":
-                    os._exit(3)
-                raise RuntimeError("data loader exploded")
-            for ids, w in zip(mine, weights):
+            for i, (ids, w) in enumerate(zip(mine, weights)):
+                if fail_rank == rank and m == 1 and i == 0:
+                    # Mid-minibatch, once the previous step's collectives (this harness's snapshots, the clip)
+                    # have drained: a rank dying inside one of those fails its peers through that collective's
+                    # own error, not ODC's.
+                    time.sleep(1.0)
+                    if fail_mode == "die":
+                        os._exit(3)
+                    raise RuntimeError("data loader exploded")
                 (loss_sum(model, ids) * w / total).backward()
         if odc is not None:
             if mesh_shape is not None:

@@ -88,7 +88,7 @@ class ReplicaSync:
         """Raise :class:`PeerFailedError` if any rank announced a failure (or the store's host is gone)."""
         message = self._announced(where)
         if message is not None:
-            raise PeerFailedError(f"{message} (reported to rank {self.rank} while it was waiting: {where})")
+            raise PeerFailedError(f"{message} [news from ODC's failure channel; {where}]")
 
     def _announced(self, where: str) -> str | None:
         try:
