@@ -3,7 +3,8 @@ units. A tiny Llama with peft LoRA adapters on q_proj / v_proj, 2 ranks, uneven 
 LoRA weights after each of 3 minibatches equal a single process; frozen weights stay bit-identical; the fp32
 accumulators hold exactly the trainable shards; gradients exist on trainable parameters only. Also: a bf16
 frozen base next to fp32 adapters (FSDP2 then all-gathers bytes), the same under a bf16 param_dtype policy, and
-a trainable parameter unused in some microbatches (torch >= 2.12 keeps the layout; older torch refuses clearly).
+a trainable parameter unused in some microbatches (torch >= 2.12 keeps the layout; older torch refuses clearly),
+and LoRA on a 2 x 1 (replicate, shard) mesh.
 
 The adapter never sees peft: it reads ``requires_grad`` only. The test builds the peft model.
 """
@@ -86,15 +87,18 @@ def _check_publishes_frozen_once(odc) -> None:
 
 
 def _run_lora(rank, world_size, variant):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from odc_hf.fsdp import install_odc, shard_model
 
-    base_dtype = torch.float32 if variant == "fp32" else torch.bfloat16
+    base_dtype = torch.bfloat16 if variant in ("mixed", "policy") else torch.float32
     model = tiny_llama_lora(base_dtype)
     initial_frozen = frozen_of(model)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if variant == "policy" else None
-    shard_model(model.base_model.model, mp_policy=policy)  # the LlamaForCausalLM inside the peft wrappers
+    # "replicated": a 2 x 1 (replicate, shard) mesh: no ODC transport, one all-reduce per minibatch
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")) if variant == "replicated" else None
+    shard_model(model.base_model.model, mp_policy=policy, mesh=mesh)  # the LlamaForCausalLM inside peft's wrappers
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
     odc = install_odc(model, timeout_s=60)
     odc.attach_optimizer(opt)
@@ -111,6 +115,9 @@ def _run_lora(rank, world_size, variant):
         opt.zero_grad()
         record["trainable"].append(trainable_of(model))
     record["frozen_unchanged"] = all(torch.equal(initial_frozen[n], t) for n, t in frozen_of(model).items())
+    if odc.transport is None:  # replicated: FSDP2 accumulates locally, nothing to measure in a transport
+        odc.close()
+        return record
     # Accumulator bytes, read from the transport's buffers, against the trainable shards computed from the
     # parameter shapes: ceil(dim0 / world) rows each, fp32. The CPU transport keeps one slot per sender.
     trainable_shard_bytes = sum(math.ceil(p.shape[0] / world_size) * p[0].numel() * 4
@@ -174,7 +181,7 @@ def _run_gated(rank, world_size):
 
 
 def _everything(rank, world_size):
-    return {"lora": {v: _run_lora(rank, world_size, v) for v in ("fp32", "mixed", "policy")},
+    return {"lora": {v: _run_lora(rank, world_size, v) for v in ("fp32", "mixed", "policy", "replicated")},
             "gated": _run_gated(rank, world_size)}  # fmt: skip
 
 
@@ -183,9 +190,9 @@ def runs():
     return run_ranks(_everything, WORLD, timeout_s=600)
 
 
-@pytest.mark.parametrize("variant", ["fp32", "mixed"])
+@pytest.mark.parametrize("variant", ["fp32", "mixed", "replicated"])
 def test_lora_matches_single_process(variant, runs):
-    ref = reference(torch.float32 if variant == "fp32" else torch.bfloat16)
+    ref = reference(torch.bfloat16 if variant == "mixed" else torch.float32)
     got = runs[0]["lora"][variant]
     for m in range(len(SCHEDULE)):
         # fp32 LoRA arithmetic on both sides, the same per-sample forward; only the order in which microbatch
@@ -209,6 +216,8 @@ def test_lora_under_a_bf16_policy(runs):
 def test_accumulators_hold_exactly_the_trainable_shards(runs):
     for rank_record in runs:
         for variant, got in rank_record["lora"].items():
+            if variant == "replicated":
+                continue
             owner_bytes, allocated, trainable_shard_bytes, gather_only = got["accumulators"]
             assert owner_bytes == trainable_shard_bytes, variant
             assert allocated == WORLD * trainable_shard_bytes, variant  # CPU transport: one slot per sender
