@@ -53,13 +53,13 @@ def _check_no_replica_all_reduce(unit: ODCUnit) -> None:
 
 
 def _layout_error(unit: ODCUnit, got: int, expected: int) -> ODCError:
+    old_torch = not unit.owner.reduces_unused_params
     return ODCError(
         f"reduce-scatter of unit {unit.name!r}: FSDP passed {got} elements, expected {expected} (the unit's "
-        "trainable parameters). Either some trainable parameter of this unit got no gradient in this microbatch "
-        "(unused in forward)"
-        + ("" if unit.owner.reduces_unused_params else ": torch >= 2.12 pads those with zeros for ODC; on this "
-           "torch keep every trainable parameter of a unit in use, or freeze it")
-        + ", or requires_grad changed after install_odc() (set it before installing)"
+        "trainable parameters). Either a trainable parameter of this unit got no gradient in this microbatch"
+        + (" (unused in forward: this torch leaves it out of the reduce-scatter; keep every trainable parameter "
+           "of a unit in use, or freeze it; torch >= 2.12 pads it with zeros for ODC)" if old_torch else "")
+        + " or requires_grad changed after install_odc() (set it before installing)"
     )  # fmt: skip
 
 
