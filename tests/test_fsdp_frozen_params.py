@@ -37,7 +37,9 @@ def tiny_llama_lora(base_dtype: torch.dtype = torch.float32):
     # default zeros) gives the A matrices a gradient from the first step on.
     lora = LoraConfig(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                       init_lora_weights=False)  # fmt: skip
-    return get_peft_model(base, lora)  # adapters stay fp32 next to a bf16 base (peft's autocast_adapter_dtype)
+    return get_peft_model(
+        base, lora
+    )  # adapters stay fp32 next to a bf16 base (peft's autocast_adapter_dtype)
 
 
 def batches(minibatch: int, rank: int | None) -> list[torch.Tensor]:
@@ -95,10 +97,20 @@ def _run_lora(rank, world_size, variant):
     base_dtype = torch.bfloat16 if variant in ("mixed", "policy") else torch.float32
     model = tiny_llama_lora(base_dtype)
     initial_frozen = frozen_of(model)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if variant == "policy" else None
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if variant == "policy"
+        else None
+    )
     # "replicated": a 2 x 1 (replicate, shard) mesh: no ODC transport, one all-reduce per minibatch
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")) if variant == "replicated" else None
-    shard_model(model.base_model.model, mp_policy=policy, mesh=mesh)  # the LlamaForCausalLM inside peft's wrappers
+    mesh = (
+        init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        if variant == "replicated"
+        else None
+    )
+    shard_model(
+        model.base_model.model, mp_policy=policy, mesh=mesh
+    )  # the LlamaForCausalLM inside peft's wrappers
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
     odc = install_odc(model, timeout_s=60)
     odc.attach_optimizer(opt)
@@ -126,7 +138,9 @@ def _run_lora(rank, world_size, variant):
     allocated = sum(odc.transport.nbytes(u.id).accumulator for u in odc.units)
     gather_only = [u.name for u in odc.units if u.spec.gather_only]
     record["accumulators"] = (owner_bytes, allocated, trainable_shard_bytes, gather_only)
-    record["gather_only_bytes"] = [odc.transport.nbytes(u.id).accumulator for u in odc.units if u.spec.gather_only]
+    record["gather_only_bytes"] = [
+        odc.transport.nbytes(u.id).accumulator for u in odc.units if u.spec.gather_only
+    ]
     if variant == "fp32":
         _check_publishes_frozen_once(odc)
     odc.close()

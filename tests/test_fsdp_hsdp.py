@@ -40,7 +40,9 @@ def _all_meshes(rank, world_size, checkpoint_dir):
         fake_nodes(rank, shape[1])
         counts = COUNTS[world_size]
         save = {"save_after": 1, "checkpoint_dir": checkpoint_dir} if shape == (2, 2) else {}
-        out[shape, "odc"] = distributed_run(rank, world_size, counts, MINIBATCHES, "odc", mesh_shape=shape, **save)
+        out[shape, "odc"] = distributed_run(
+            rank, world_size, counts, MINIBATCHES, "odc", mesh_shape=shape, **save
+        )
         out[shape, "fsdp"] = distributed_run(rank, world_size, counts, MINIBATCHES, "fsdp", mesh_shape=shape)
         if save:  # a fresh model, optimizer and ODC install resume from the checkpoint
             out[shape, "resumed"] = distributed_run(rank, world_size, counts, MINIBATCHES, "odc", mesh_shape=shape,
@@ -73,7 +75,9 @@ def test_hsdp_matches_single_process_and_fsdp2_hsdp(shape, runs, references):
     assert all(len(set(r["counts"])) > 1 for r in odc), "microbatch counts must be uneven"
     assert 0 in odc[0]["counts"], "a rank must run zero microbatches in the first minibatch"
     for m in range(MINIBATCHES):
-        assert odc[m]["tokens"] == ref[m]["tokens"]  # finish_minibatch returned the GLOBAL count (asserted in-rank)
+        assert (
+            odc[m]["tokens"] == ref[m]["tokens"]
+        )  # finish_minibatch returned the GLOBAL count (asserted in-rank)
         for other in (ref[m], fsdp[m]):
             assert max_rel_error(odc[m]["params"], other["params"]) <= TOLERANCE, (shape, m)
             assert max_rel_error(odc[m]["grads"], other["grads"]) <= TOLERANCE, (shape, m)
@@ -167,7 +171,9 @@ def _unsupported(rank, world_size):
 
     def all_reduce_switched_back_on():
         fake_nodes(rank, 2)
-        model = shard_model(tiny_qwen2(), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+        model = shard_model(
+            tiny_qwen2(), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        )
         install_odc(model, timeout_s=20)
         model.set_requires_gradient_sync(True)  # e.g. a training loop's own "sync now" toggle
         loss_sum(model, microbatch(0, rank)).backward()

@@ -1,6 +1,6 @@
 """Install ODC on a ``fully_shard``-ed model and run its minibatch lifecycle.
 
-    model = ...  # fully_shard applied (by accelerate, or by odc_hf.fsdp.shard_model), 1-D or (replicate, shard) mesh
+    model = ...  # fully_shard applied (accelerate, odc_hf.fsdp.shard_model), 1-D or (replicate, shard) mesh
     odc = install_odc(model)                    # collective: registers every unit, publishes the shards
     odc.attach_optimizer(optimizer)             # publish() after every optimizer.step()
     for minibatch in loader:                    # each rank: its own number of microbatches, maybe zero
@@ -90,7 +90,9 @@ class ODCHandle:
             if isinstance(module, FSDPModule):
                 module._odc_installed = True
         if self.transport is not None and self.replicas is not None:
-            self.transport.control.remote_check = self.replicas.check  # a failure on another node ends our waits
+            self.transport.control.remote_check = (
+                self.replicas.check
+            )  # a failure on another node ends our waits
 
     # -- hooks call these --------------------------------------------------------------------------
     def check_can_gather(self, unit: ODCUnit) -> None:
@@ -117,6 +119,7 @@ class ODCHandle:
             return self.transport.accumulated(unit.id)
         kept = internals.partial_reduce_output(unit.param_group)  # R x 1: FSDP2 accumulated it locally
         if kept is not None:
+            unit.fallback = None
             return kept
         if unit.fallback is None:  # this rank has run no microbatch yet: its gradient is zero
             unit.fallback = torch.zeros(unit.spec.accum_numel, dtype=torch.float32, device=self._device())
@@ -133,9 +136,7 @@ class ODCHandle:
         normaliser, or pass 0.
         """
         if not self.published:
-            raise ODCError(
-                f"rank {self.global_rank}: finish_minibatch() twice without publish() in between"
-            )
+            raise ODCError(f"rank {self.global_rank}: finish_minibatch() twice without publish() in between")
         total = float(local_tokens)
         if self.transport is not None:
             self.transport.minibatch = self.minibatch
@@ -149,12 +150,11 @@ class ODCHandle:
         accumulators = [self._accumulator(u) for u in trainable]
         if self.replicas is not None:
             count = torch.tensor([total], dtype=torch.float64, device=self._device())
-            with self._announce_failure():
-                self.replicas.all_reduce([count, *accumulators], what="cross-replica all-reduce",
-                                         minibatch=self.minibatch)  # fmt: skip
+            self.replicas.all_reduce(
+                [count, *accumulators], what="cross-replica all-reduce", minibatch=self.minibatch
+            )
             total = float(count.item())
         for unit, accumulated in zip(trainable, accumulators):
-            self._check_replica_all_reduce_off(unit)
             for slot in unit.trainable:
                 param = slot.param
                 # Shard(0): the shard is contiguous at its offset (relative to the accumulator, which may itself
@@ -168,13 +168,6 @@ class ODCHandle:
         self.minibatch += 1
         self.published = False
         return total
-
-    def _check_replica_all_reduce_off(self, unit: ODCUnit) -> None:
-        if self.replicated and internals.all_reduce_enabled(unit.param_group):
-            raise ODCError(
-                f"unit {unit.name!r}: FSDP2's cross-replica all-reduce was switched back on (set_requires_all_reduce"
-                "(True) / set_requires_gradient_sync(True)); ODC all-reduces once per minibatch itself"
-            )
 
     @torch.no_grad()
     def publish(self, *, frozen: bool = True) -> None:
@@ -223,16 +216,6 @@ class ODCHandle:
             self.transport.abort(reason)
         if self.replicas is not None:
             self.replicas.announce(f"rank {self.global_rank} failed ({reason})")
-
-    @contextlib.contextmanager
-    def _announce_failure(self):
-        try:
-            yield
-        except (PeerFailedError, PeerTimeoutError):
-            raise  # already announced by whoever noticed first
-        except BaseException as err:
-            self.abort(f"{type(err).__name__}: {err}"[:400])
-            raise
 
     @contextlib.contextmanager
     def failure_guard(self):

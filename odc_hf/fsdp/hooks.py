@@ -135,4 +135,6 @@ class ReplicaOnlyReduceScatter(_Allocating):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # pragma: no cover
-        raise ODCError(f"unit {self.unit.name!r}: a reduce-scatter over a shard group of {group.size()} ranks")
+        raise ODCError(
+            f"unit {self.unit.name!r}: a reduce-scatter over a shard group of {group.size()} ranks"
+        )

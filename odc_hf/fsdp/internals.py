@@ -44,7 +44,7 @@ def mesh_info(group):
 
 
 def mesh_dims(info) -> tuple[int, int | None]:
-    """``(shard dim, replicate dim or None)`` of FSDP's data-parallel mesh: (0, None) for FSDP, (1, 0) for HSDP."""
+    """``(shard dim, replicate dim or None)`` of FSDP's data-parallel mesh: (0, None) FSDP, (1, 0) HSDP."""
     return info.shard_mesh_dim, info.replicate_mesh_dim
 
 

@@ -102,7 +102,7 @@ def _check_mesh(name: str, info, post_forward) -> None:
     mesh = info.mesh
     if internals.uses_spmd_mesh(info) or mesh.ndim not in (1, 2):
         raise NotImplementedError(
-            f"unit {name!r} is sharded over a {mesh.ndim}-D mesh {mesh.mesh_dim_names} taken from a larger mesh; "
+            f"unit {name!r} is sharded over a {mesh.ndim}-D mesh {mesh.mesh_dim_names} from a larger mesh; "
             "ODC supports a 1-D (shard) or 2-D (replicate, shard) data-parallel mesh only, without tensor / "
             "context parallel dims"
         )
@@ -125,7 +125,9 @@ def _check_param(name: str, fp, mesh, shard_dim: int, replicate_dim: int | None)
             f"unit {name!r}: ODC supports Shard(0) parameters only, got {fp.fsdp_placement}"
         )
     if replicate_dim is not None and p.placements[replicate_dim] != Replicate():
-        raise NotImplementedError(f"unit {name!r}: expected Replicate() on the replicate dim, got {p.placements}")
+        raise NotImplementedError(
+            f"unit {name!r}: expected Replicate() on the replicate dim, got {p.placements}"
+        )
     if fp.offload_to_cpu:
         raise NotImplementedError(f"unit {name!r}: CPU offload is not supported with ODC")
 
@@ -141,7 +143,7 @@ def _gather_dtype(group, params: list) -> tuple[torch.dtype, bool]:
 
 
 def plan_unit(label: str, module: FSDPModule, group) -> tuple[ODCUnit, Any]:
-    """Validate one unit and lay out its two layouts; returns the unit (not registered yet) and FSDP's mesh info."""
+    """Validate one unit and lay out its two layouts; returns the unit (unregistered) and FSDP's mesh info."""
     info, post_forward = internals.mesh_info(group)
     _check_mesh(label, info, post_forward)
     shard_dim, replicate_dim = internals.mesh_dims(info)

@@ -65,13 +65,14 @@ def open_job_store(shard_group: dist.ProcessGroup, replicate_group: dist.Process
 class ReplicaSync:
     """Sum tensors over the replicate group once per minibatch, within ``timeout_s``, and carry failures."""
 
-    def __init__(self, shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup, *, timeout_s: float):
+    def __init__(
+        self, shard_group: dist.ProcessGroup, replicate_group: dist.ProcessGroup, *, timeout_s: float
+    ):
         self.group = replicate_group
         self.ranks = group_ranks(replicate_group)
         self.rank = dist.get_rank()
         self.timeout_s = float(timeout_s)
         self.store, self.store_rank = open_job_store(shard_group, replicate_group, timeout_s)
-        self._failed: str | None = None
         self._closed = False
 
     # -- the failure channel ----------------------------------------------------------------------------------
@@ -118,8 +119,9 @@ class ReplicaSync:
             if now - start > self.timeout_s:
                 missing = self._missing(minibatch)
                 message = (
-                    f"replica rank(s) {missing or self.ranks} did not arrive at the {what} of minibatch {minibatch} "
-                    f"within {self.timeout_s:g} s; {where}. Raise the timeout (ODC_TIMEOUT_S) if they are just slow."
+                    f"replica rank(s) {missing or self.ranks} did not arrive at the {what} of minibatch "
+                    f"{minibatch} within {self.timeout_s:g} s; {where}. Raise the timeout (ODC_TIMEOUT_S) if they "
+                    "are just slow."
                 )
                 self.announce(message)
                 raise PeerTimeoutError(message)
