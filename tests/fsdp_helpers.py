@@ -165,14 +165,16 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
             pad = max(schedule(counts, m)) - len(mine)
             mine, weights = mine + [microbatch(m, 0)] * pad, weights + [0.0] * pad
         guard = odc.failure_guard() if odc is not None else _nullcontext()
+        if fail_rank is not None and m == 1:
+            # The failure below must hit ODC's waits, not this harness's collectives (snapshots, the clip) that
+            # slower ranks may still be in: a rank dying inside one of those fails its peers through that
+            # collective's own error. So everyone leaves minibatch 0 first.
+            dist.barrier()
         STARTED[m] = time.monotonic()
         with guard:
             for i, (ids, w) in enumerate(zip(mine, weights)):
                 if fail_rank == rank and m == 1 and i == 0:
-                    # Mid-minibatch, once the previous step's collectives (this harness's snapshots, the clip)
-                    # have drained: a rank dying inside one of those fails its peers through that collective's
-                    # own error, not ODC's.
-                    time.sleep(1.0)
+                    time.sleep(1.0)  # mid-minibatch: the others are computing or already waiting in ODC
                     if fail_mode == "die":
                         os._exit(3)
                     raise RuntimeError("data loader exploded")
