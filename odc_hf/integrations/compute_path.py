@@ -227,6 +227,8 @@ def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: s
     library workspace (gradients of the copies removed); ``static_bytes`` is 0: the caller adds its own resident state.
     """
     device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     t2 = max(64, min(int(tokens), CALIBRATION_TOKENS))
     t1 = t2 // 2
     slopes, workspace = {}, 0.0
