@@ -184,7 +184,7 @@ def run_model(size: str, lengths: list[int], args: dict) -> dict:
         return {t: choose_checkpointing(memory, t, usable)[0] for t in lengths}
 
     run("today", cp.FULL_LOGITS, "none", L)
-    cp.install_fused_head(model)
+    cp.install_fused_head(model, outputs=cp.SFT_HEAD_OUTPUTS)  # exactly SFTTrainer's head (its metrics' outputs too)
     auto_choices("none", cp.TRL_FUSED_HEAD)  # recorded: what auto does for TRL users without Liger
     for n in (L, 0):
         run("trl", cp.TRL_FUSED_HEAD, "none", n)
@@ -220,19 +220,25 @@ def main(argv=None) -> None:
     specs = [("tiny", [128, 256])] if args.tiny else [
         (m.split(":")[0], [int(x) for x in m.split(":")[1].split(",")]) for m in args.models]  # fmt: skip
     options = {"tiny": args.tiny, "repeats": args.repeats, "device_gib": args.device_gib}
-    models = []
-    ctx = mp.get_context("spawn")
-    for size, lengths in specs:
-        with ctx.Pool(1) as pool:
-            models.append(pool.apply(run_model, (size, lengths, options)))
-    env = report.environment()
     from compute_ceiling_report import render
 
-    payload = {"env": env, "args": vars(args), "peak_tflops": PEAK_TFLOPS, "loss_rtol": LOSS_RTOL, "models": models}
-    markdown = render(payload)
+    env = report.environment()
+    payload = {"env": env, "args": vars(args), "peak_tflops": PEAK_TFLOPS, "loss_rtol": LOSS_RTOL, "models": [],
+               "failed": []}  # fmt: skip
     stem = f"compute_ceiling_{report.hardware_tag(env)}_{report.today()}{args.tag}"
-    report.write(args.out, stem, payload, markdown)
+    ctx = mp.get_context("spawn")
+    for size, lengths in specs:
+        try:
+            with ctx.Pool(1) as pool:
+                payload["models"].append(pool.apply(run_model, (size, lengths, options)))
+        except Exception as err:  # noqa: BLE001 - keep what the other models measured
+            payload["failed"].append({"size": size, "error": f"{type(err).__name__}: {err}"})
+            print(f"{size} failed: {err}", flush=True)
+        markdown = render(payload)
+        report.write(args.out, stem, payload, markdown)  # after every model: a later failure loses nothing
     print(markdown)
+    if payload["failed"]:
+        raise SystemExit(f"failed: {payload['failed']}")
 
 
 if __name__ == "__main__":

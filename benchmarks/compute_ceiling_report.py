@@ -136,11 +136,12 @@ def render(payload: dict) -> str:
         "and gradients included)",
         f"- losses compared with the fp32 full-logits loss of the same weights (relative tolerance "
         f"{payload['loss_rtol']:g}: bf16's unit roundoff is 3.9e-3)",
-        "- variants: **today** full logits + HF loss; **trl** TRL's fused LM head (SFTTrainer's loss); **liger** "
+        "- variants: **today** full logits + HF loss; **trl** TRL's fused LM head as SFTTrainer installs it (log-probs, entropy and top-1 per token); **liger** "
         "TRL's fused head + Liger RMSNorm/SwiGLU/RoPE (ODCSFTTrainer's default path with `odc_hf[kernels]`); **flce** "
         "Liger's fused linear cross-entropy + layer kernels (ODCTrainer's default path); AC: none, full, selective n/L "
         "(every second layer for 14/28). odc_hf's default = liger with the AC `auto` chose for the row's length.\n",
     ]
+    lines += [f"- **not measured**: {f['size']} ({f['error']})" for f in payload.get("failed", [])]
     lines += acceptance(payload)
     for model in payload["models"]:
         keys = list(dict.fromkeys(_key(r) for r in model["results"]))

@@ -46,6 +46,8 @@ LIGER_FLCE = "liger_fused_linear_cross_entropy"
 FULL_LOGITS = "full_logits"
 DEVICE_HEADROOM = 0.9
 """Share of the device memory a predicted peak may fill (the caching allocator's fragmentation, CUDA context)."""
+CALIBRATION_LAYERS = (2, 4)
+"""Decoder layers of the two copies the memory calibration builds."""
 CALIBRATION_TOKENS = 8192
 """Longest row of the memory calibration (and the token budget if smaller); the other is half of it."""
 
@@ -128,13 +130,17 @@ def apply_liger_kernels(model, *, fused_linear_cross_entropy: bool, kernel_confi
 
 
 # -- the loss ---------------------------------------------------------------------------------------------
-def install_fused_head(model) -> bool:
+SFT_HEAD_OUTPUTS = ("log_probs", "entropy", "is_top1")
+"""What TRL 1.16's SFTTrainer asks its fused head for (its entropy and token-accuracy metrics)."""
+
+
+def install_fused_head(model, outputs: tuple[str, ...] = ("log_probs",)) -> bool:
     """TRL's chunked fused LM head on a plain causal LM (``model(..., fused_lm_head=True)``); False without it."""
     try:
         from trl.trainer.utils import add_fused_lm_head
     except ImportError:  # trl < 1.16
         return False
-    add_fused_lm_head(model, outputs=("log_probs",))
+    add_fused_lm_head(model, outputs=outputs)
     return True
 
 
@@ -221,9 +227,11 @@ def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: s
                      kernel_config: dict | None = None) -> MemoryModel:  # fmt: skip
     """Per-token memory terms of ``model``'s architecture on ``device`` (CUDA), with the run's kernels and loss.
 
-    Builds 1- and 2-layer copies of the architecture (random weights, ``dtype``), runs forward + backward of rows
+    Builds 2- and 4-layer copies of the architecture (random weights, ``dtype``), runs forward + backward of rows
     of T and T/2 tokens (T = min(tokens, CALIBRATION_TOKENS)) without and with checkpointing, and reads the
-    allocator's peaks: the 2-layer minus the 1-layer slope is one layer's bytes per token. ``fixed_bytes`` is the
+    allocator's peaks: half the 4-layer minus the 2-layer slope is one layer's bytes per token. (With one layer
+    the peak can fall in another phase of the step, e.g. inside Liger's fused loss, which computes its gradients
+    in the forward; 1.5B on an H200: a 1- vs 2-layer fit overestimated the 32k no-AC peak by 54 %.) ``fixed_bytes`` is the
     library workspace (gradients of the copies removed); ``static_bytes`` is 0: the caller adds its own resident state.
     """
     device = torch.device(device)
@@ -232,7 +240,7 @@ def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: s
     t2 = max(64, min(int(tokens), CALIBRATION_TOKENS))
     t1 = t2 // 2
     slopes, workspace = {}, 0.0
-    for layers in (1, 2):
+    for layers in CALIBRATION_LAYERS:
         config = copy.deepcopy(model.config)
         config.num_hidden_layers = layers
         with torch.random.fork_rng(devices=[device]), torch.device(device):
@@ -252,10 +260,11 @@ def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: s
             workspace = max(workspace, low - slope * t1 - grads)
         del small
         torch.cuda.empty_cache()
-    layer = max(0.0, slopes[2, False] - slopes[1, False])
-    other = max(0.0, slopes[1, False] - layer)
-    checkpoint = min(layer, max(0.0, slopes[2, True] - slopes[1, True]))
-    recompute = max(0.0, slopes[1, True] - other - checkpoint)
+    low, high = CALIBRATION_LAYERS
+    layer = max(0.0, (slopes[high, False] - slopes[low, False]) / (high - low))
+    other = max(0.0, slopes[low, False] - low * layer)
+    checkpoint = min(layer, max(0.0, (slopes[high, True] - slopes[low, True]) / (high - low)))
+    recompute = max(0.0, slopes[low, True] - other - low * checkpoint)
     return MemoryModel(num_layers=model.config.num_hidden_layers, layer_bytes_per_token=layer,
                        checkpoint_bytes_per_token=checkpoint, recompute_bytes_per_token=recompute,
                        other_bytes_per_token=other, fixed_bytes=max(0.0, workspace))  # fmt: skip
