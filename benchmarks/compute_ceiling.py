@@ -138,14 +138,14 @@ def run_model(size: str, lengths: list[int], args: dict) -> dict:
         config.tie_word_embeddings = size in ("0.5B", "1.5B", "3B")  # as the released Qwen2.5 checkpoints
         config.use_cache = False
     config.max_position_embeddings = max(32768, max(lengths))
-    config._attn_implementation = attention.VARLEN_ATTENTION
+    config._attn_implementation = args.get("attn", attention.VARLEN_ATTENTION)
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)  # fp32 first: the reference losses
     model.train()
-    rows = rows_for(lengths)
+    rows = rows_for(lengths) if not args.get("quick") else [(f"single {t}", [t]) for t in lengths]
     batches = {name: _batch(docs, config.vocab_size, device, seed=i) for i, (name, docs) in enumerate(rows)}
     reference = {}
     with torch.no_grad():
@@ -183,8 +183,16 @@ def run_model(size: str, lengths: list[int], args: dict) -> dict:
         memory_models[f"{kernels}/{loss}"] = {"model": memory.to_dict(), "usable_bytes": usable}
         return {t: choose_checkpointing(memory, t, usable)[0] for t in lengths}
 
-    run("today", cp.FULL_LOGITS, "none", L)
+    quick = args.get("quick", False)
+    if not quick:
+        run("today", cp.FULL_LOGITS, "none", L)
     cp.install_fused_head(model, outputs=cp.SFT_HEAD_OUTPUTS)  # exactly SFTTrainer's head (its metrics' outputs too)
+    if quick:  # the default path without checkpointing only (e.g. to compare attention implementations)
+        if liger_ok:
+            cp.apply_liger_kernels(model, fused_linear_cross_entropy=False)
+        run("liger", cp.TRL_FUSED_HEAD, "liger" if liger_ok else "none", 0)
+        return {"size": size, "lengths": lengths, "num_layers": L, "results": results, "auto": {t: 0 for t in lengths},
+                "memory_models": {}, "config": config.to_dict(), "attn": config._attn_implementation}  # fmt: skip
     auto_choices("none", cp.TRL_FUSED_HEAD)  # recorded: what auto does for TRL users without Liger
     for n in (L, 0):
         run("trl", cp.TRL_FUSED_HEAD, "none", n)
@@ -212,6 +220,9 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device-gib", type=float, default=None, help="plan 'auto' for this much device memory")
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: tiny model, short rows")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the default path without checkpointing on single documents (no AC sweep, no calibration)")
+    parser.add_argument("--attn", default="sdpa_varlen", help="attn_implementation (sdpa_varlen, sdpa, ...)")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
@@ -219,7 +230,8 @@ def main(argv=None) -> None:
 
     specs = [("tiny", [128, 256])] if args.tiny else [
         (m.split(":")[0], [int(x) for x in m.split(":")[1].split(",")]) for m in args.models]  # fmt: skip
-    options = {"tiny": args.tiny, "repeats": args.repeats, "device_gib": args.device_gib}
+    options = {"tiny": args.tiny, "repeats": args.repeats, "device_gib": args.device_gib, "quick": args.quick,
+               "attn": args.attn}
     from compute_ceiling_report import render
 
     env = report.environment()
