@@ -42,7 +42,11 @@ def rows_for(lengths: list[int]) -> list[tuple[str, list[int]]]:
     """Single documents (every length, and every document length the packed rows use), then packed rows."""
     packed = []
     for i, total in enumerate(sorted(lengths)):
-        docs = [total // 2, total // 4, total // 4] if i == 0 else [total // 2, total // 4, total // 8, total // 8]
+        docs = (
+            [total // 2, total // 4, total // 4]
+            if i == 0
+            else [total // 2, total // 4, total // 8, total // 8]
+        )
         packed.append((f"packed {total}", docs))
     singles = sorted({d for _, docs in packed for d in docs} | set(lengths))
     return [(f"single {s}", [s]) for s in singles] + packed
@@ -111,7 +115,9 @@ def _calibrate(model, kernels, loss, tokens, device, dtype, device_gib):
 
     memory = calibrate_memory(model, device=device, dtype=dtype, kernels=kernels, loss=loss, tokens=tokens)
     params = float(sum(p.numel() * p.element_size() for p in model.parameters()))
-    memory = dataclasses.replace(memory, static_bytes=params, fixed_bytes=memory.fixed_bytes + params)  # + grads
+    memory = dataclasses.replace(
+        memory, static_bytes=params, fixed_bytes=memory.fixed_bytes + params
+    )  # + grads
     total = device_gib * 2**30 if device_gib else torch.cuda.get_device_properties(device).total_memory
     return memory, DEVICE_HEADROOM * total
 
@@ -165,7 +171,7 @@ def run_model(size: str, lengths: list[int], args: dict) -> dict:
     def run(variant: str, loss: str, kernels: str, checkpointed: int, note: str = ""):
         cp.enable_checkpointing(model, checkpointed)
         ac = describe_checkpointing(checkpointed, L)
-        for i, (name, docs) in enumerate(rows):
+        for name, docs in rows:
             r = measure(model, batches[name], loss, args["repeats"], device)
             r.update(variant=variant, loss_path=loss, kernels=kernels, ac=ac, checkpointed=checkpointed, row=name,
                      docs=docs, tokens=sum(docs), note=note, reference_loss=reference[name])  # fmt: skip
@@ -186,7 +192,9 @@ def run_model(size: str, lengths: list[int], args: dict) -> dict:
     quick = args.get("quick", False)
     if not quick:
         run("today", cp.FULL_LOGITS, "none", L)
-    cp.install_fused_head(model, outputs=cp.SFT_HEAD_OUTPUTS)  # exactly SFTTrainer's head (its metrics' outputs too)
+    cp.install_fused_head(
+        model, outputs=cp.SFT_HEAD_OUTPUTS
+    )  # exactly SFTTrainer's head (its metrics' outputs too)
     if quick:  # the default path without checkpointing only (e.g. to compare attention implementations)
         if liger_ok:
             cp.apply_liger_kernels(model, fused_linear_cross_entropy=False)
@@ -203,7 +211,13 @@ def run_model(size: str, lengths: list[int], args: dict) -> dict:
         cp.apply_liger_kernels(model, fused_linear_cross_entropy=False)
     auto = auto_choices(kernels, cp.TRL_FUSED_HEAD)
     for n in sorted({L, len(checkpointed_indices(L // 2, L)), 0} | set(auto.values()), reverse=True):
-        run("liger", cp.TRL_FUSED_HEAD, kernels, n, note="auto at " + ",".join(str(t) for t in lengths if auto[t] == n))
+        run(
+            "liger",
+            cp.TRL_FUSED_HEAD,
+            kernels,
+            n,
+            note="auto at " + ",".join(str(t) for t in lengths if auto[t] == n),
+        )
     if liger_ok:  # ODCTrainer on a plain model: Liger's fused linear cross-entropy replaces the forward
         cp.apply_liger_kernels(model, fused_linear_cross_entropy=True)
         auto_flce = auto_choices(kernels, cp.LIGER_FLCE)
@@ -214,14 +228,21 @@ def run_model(size: str, lengths: list[int], args: dict) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", nargs="+", default=["1.5B:8192,16384,32768", "7B:8192,16384"],
                         help="SIZE:LENGTH,LENGTH,... (each in its own process)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device-gib", type=float, default=None, help="plan 'auto' for this much device memory")
+    parser.add_argument(
+        "--device-gib", type=float, default=None, help="plan 'auto' for this much device memory"
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: tiny model, short rows")
-    parser.add_argument("--quick", action="store_true",
-                        help="only the default path without checkpointing on single documents (no AC sweep, no calibration)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the default path without checkpointing on single documents (no AC sweep, no calibration)",
+    )
     parser.add_argument("--attn", default="sdpa_varlen", help="attn_implementation (sdpa_varlen, sdpa, ...)")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -230,8 +251,13 @@ def main(argv=None) -> None:
 
     specs = [("tiny", [128, 256])] if args.tiny else [
         (m.split(":")[0], [int(x) for x in m.split(":")[1].split(",")]) for m in args.models]  # fmt: skip
-    options = {"tiny": args.tiny, "repeats": args.repeats, "device_gib": args.device_gib, "quick": args.quick,
-               "attn": args.attn}
+    options = {
+        "tiny": args.tiny,
+        "repeats": args.repeats,
+        "device_gib": args.device_gib,
+        "quick": args.quick,
+        "attn": args.attn,
+    }
     from compute_ceiling_report import render
 
     env = report.environment()

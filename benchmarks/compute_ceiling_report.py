@@ -27,7 +27,9 @@ def default_rows(model: dict, variant: str = "liger") -> dict[str, dict]:
     out = {}
     for r in model["results"]:
         if r["variant"] == variant and "seconds" in r:
-            length = min((t for t in auto if t >= r["tokens"]), default=max(auto))  # the budget that covers the row
+            length = min(
+                (t for t in auto if t >= r["tokens"]), default=max(auto)
+            )  # the budget that covers the row
             if r["checkpointed"] == auto[length]:
                 out[r["row"]] = r
     return out
@@ -35,7 +37,11 @@ def default_rows(model: dict, variant: str = "liger") -> dict[str, dict]:
 
 def _find(model, variant, row, checkpointed=None):
     for r in model["results"]:
-        if r["variant"] == variant and r["row"] == row and (checkpointed is None or r["checkpointed"] == checkpointed):
+        if (
+            r["variant"] == variant
+            and r["row"] == row
+            and (checkpointed is None or r["checkpointed"] == checkpointed)
+        ):
             return r
     return None
 
@@ -43,7 +49,7 @@ def _find(model, variant, row, checkpointed=None):
 def acceptance(payload: dict) -> list[str]:
     lines = ["## Acceptance figures\n"]
     for model in payload["models"]:
-        size, L, lengths = model["size"], model["num_layers"], model["lengths"]
+        size, lengths = model["size"], model["lengths"]
         default = default_rows(model)
         for t in lengths:
             row = f"single {t}"
@@ -70,11 +76,16 @@ def packing(model: dict) -> list[str]:
     lines = [f"### {model['size']}: packed rows vs their documents\n",
              "| path | row (documents) | packed s | Σ documents alone s | packed / Σ | fitted a + Σ(b·s + c·s²) s | "
              "packed / fitted |", "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-    paths = [("today", lambda r: r["variant"] == "today"),
-             ("odc_hf default", lambda r, d=default_rows(model): d.get(r["row"]) is r)]  # fmt: skip
+    default = default_rows(model)
+    paths = [
+        ("today", lambda r: r["variant"] == "today"),
+        ("odc_hf default", lambda r: default.get(r["row"]) is r),
+    ]
     for name, pick in paths:
         rows = [r for r in model["results"] if "seconds" in r and pick(r)]
-        for r in (r for r in rows if len(r["docs"]) > 1):  # against single documents on the same variant and AC
+        for r in (
+            r for r in rows if len(r["docs"]) > 1
+        ):  # against single documents on the same variant and AC
             singles = {s["docs"][0]: s["seconds"] for s in model["results"] if "seconds" in s and len(s["docs"]) == 1
                        and s["variant"] == r["variant"] and s["checkpointed"] == r["checkpointed"]}  # fmt: skip
             alone = sum(singles.get(d, float("nan")) for d in r["docs"])
@@ -100,7 +111,11 @@ def memory(model: dict, gpu_gib: float | None) -> list[str]:
     for key, entry in model["memory_models"].items():
         mm = MemoryModel.from_dict(entry["model"])
         for r in model["results"]:
-            if r["variant"] == variant_of.get(key) and len(r["docs"]) == 1 and r["tokens"] in model["lengths"]:
+            if (
+                r["variant"] == variant_of.get(key)
+                and len(r["docs"]) == 1
+                and r["tokens"] in model["lengths"]
+            ):
                 measured = "OOM" if r.get("oom") else f"{r['peak_gib']:.1f}"
                 lines.append(f"| {key} | {r['row']} | {r['ac']} | {mm.peak_bytes(r['tokens'], r['checkpointed']) / GIB:.1f} "
                              f"| {measured} |")  # fmt: skip

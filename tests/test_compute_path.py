@@ -70,7 +70,12 @@ def test_selective_spelling_and_layer_spread():
     assert len(set(checkpointed_indices(9, 28))) == 9
     assert [describe_checkpointing(n, 28) for n in (0, 7, 28)] == ["none", "selective 7/28", "full"]
     assert ODCConfig(activation_checkpointing=0.25).activation_checkpointing == "0.25"
-    assert ODCConfig.from_env({"ODC_ACTIVATION_CHECKPOINTING": "full", "ODC_DEVICE_MEMORY_GIB": "40"}).device_memory_gib == 40
+    assert (
+        ODCConfig.from_env(
+            {"ODC_ACTIVATION_CHECKPOINTING": "full", "ODC_DEVICE_MEMORY_GIB": "40"}
+        ).device_memory_gib
+        == 40
+    )
     for bad in ("sometimes", "1.5", "-0.1"):
         with pytest.raises(ValueError, match="activation_checkpointing must be"):
             ODCConfig(activation_checkpointing=bad)
@@ -97,13 +102,17 @@ def test_use_liger_kernel_without_liger_or_without_gpu_is_a_clear_error(monkeypa
 
     cpu = torch.device("cpu")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a)
+    )
     with pytest.raises(ValueError, match=r"use_liger_kernel=True needs .*not installed.*odc_hf\[kernels\]"):
         compute_path.resolve_kernels("auto", True, cpu)
     with pytest.raises(ValueError, match=r"kernels='liger'"):
         compute_path.resolve_kernels("liger", False, cpu)
     assert compute_path.resolve_kernels("auto", False, cpu) == "none"  # auto: quietly without
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else real(name, *a)
+    )
     with pytest.raises(ValueError, match="Triton GPU kernels and this run's device is cpu"):
         compute_path.resolve_kernels("auto", True, cpu)
     assert compute_path.resolve_kernels("auto", False, cpu) == "none"
@@ -127,11 +136,12 @@ def test_selective_checkpointing_sets_the_chosen_layers_and_keeps_gradients():
 
 
 def _odc_fused_run(rank, world_size):
-    """Two ranks, ODC, TRL's fused head through odc_hf's compute path, one of two layers checkpointed."""
+    """Two ranks, ODC, TRL's fused head as ODCSFTTrainer runs it (no DTensor collective: the guard would raise),
+    one of two layers checkpointed (selective AC under FSDP2 + ODC)."""
     from odc_hf.fsdp import install_odc, shard_model
 
     model = tiny_qwen2()
-    assert compute_path.install_fused_head(model)
+    assert compute_path.install_fused_head(model, outputs=compute_path.SFT_HEAD_OUTPUTS)  # SFTTrainer's head
     compute_path.guard_sharded_head(model)
     compute_path.enable_checkpointing(model, 1)
     shard_model(model)
@@ -148,7 +158,10 @@ def _odc_fused_run(rank, world_size):
                 loss.backward()
                 losses.append(loss.item())
         odc.finish_minibatch(sum(ids.numel() - 1 for ids in mine))
-        grads = {n: full(p.grad) if p.grad is not None else torch.zeros(p.shape) for n, p in model.named_parameters()}
+        grads = {
+            n: full(p.grad) if p.grad is not None else torch.zeros(p.shape)
+            for n, p in model.named_parameters()
+        }
         out.append({"grads": grads, "losses": losses})
         model.zero_grad(set_to_none=True)
         odc.publish()  # no optimizer step here: the same shards, published for the next minibatch's gathers
@@ -185,13 +198,20 @@ def _trainer(tmp_path, args_cls=None, **kwargs):
     cls = args_cls or TrainingArguments
     args = cls(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kwargs)
     data = Dataset.from_dict({"input_ids": [microbatch(0, i)[0].tolist() for i in range(4)]})
-    return ODCTrainer(model=tiny_qwen2(), args=args, train_dataset=data, odc_config=ODCConfig(max_tokens_per_microbatch=64))
+    return ODCTrainer(
+        model=tiny_qwen2(), args=args, train_dataset=data, odc_config=ODCConfig(max_tokens_per_microbatch=64)
+    )
 
 
 def test_odc_trainer_uses_the_fused_head_and_owns_checkpointing(tmp_path):
     trainer = _trainer(tmp_path)
     path = trainer.odc_compute
-    assert (path.kernels, path.loss, path.fused_by_odc, path.checkpointing) == ("none", compute_path.TRL_FUSED_HEAD, True, "auto")
+    assert (path.kernels, path.loss, path.fused_by_odc, path.checkpointing) == (
+        "none",
+        compute_path.TRL_FUSED_HEAD,
+        True,
+        "auto",
+    )
     ids = microbatch(0, 1)
     model = trainer.model
     model.train()
@@ -199,7 +219,9 @@ def test_odc_trainer_uses_the_fused_head_and_owns_checkpointing(tmp_path):
     want = loss_sum(model, ids) / 7  # full logits
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     trainer.get_train_dataloader()
-    assert path.checkpointed_layers == 0 and path.describe()["activation_checkpointing"] == "none (auto)"  # CPU
+    assert (
+        path.checkpointed_layers == 0 and path.describe()["activation_checkpointing"] == "none (auto)"
+    )  # CPU
     # the user's own gradient_checkpointing=True wins over "auto"; the Trainer applies it
     user = _trainer(tmp_path, gradient_checkpointing=True)
     assert user.odc_compute.checkpointing == "user" and user.args.gradient_checkpointing
@@ -231,7 +253,10 @@ def test_odc_sft_trainer_replaces_trl_default_checkpointing_with_auto(tmp_path):
 def test_oom_names_the_policy_and_prediction():
     path = compute_path.ComputePath(checkpointing="auto", checkpointed_layers=0, num_layers=28, tokens=32768,
                                     predicted_peak_bytes=70 * GIB, device_bytes=80 * GIB)  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"'none \(auto\)'.*70.0 GiB at 32768 tokens.*80.0 GiB.*activation_checkpointing='full'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"'none \(auto\)'.*70.0 GiB at 32768 tokens.*80.0 GiB.*activation_checkpointing='full'",
+    ):
         with compute_path.oom_guard(path):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
     fake = SimpleNamespace()  # the guard leaves other errors alone

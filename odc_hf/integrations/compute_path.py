@@ -80,12 +80,16 @@ class ComputePath:
 
     def oom_message(self) -> str:
         d = self.describe()
-        text = f"out of memory in a microbatch under activation_checkpointing={d['activation_checkpointing']!r}"
+        text = (
+            f"out of memory in a microbatch under activation_checkpointing={d['activation_checkpointing']!r}"
+        )
         if self.predicted_peak_bytes is not None:
             text += (f": predicted peak {d['predicted_peak_gib']} GiB at {self.tokens} tokens, device "
                      f"{d['device_gib']} GiB x {DEVICE_HEADROOM} usable")  # fmt: skip
-        return text + (". Set activation_checkpointing='full' (or a larger fraction such as '0.75'), lower "
-                       "max_tokens_per_microbatch, or lower device_memory_gib so that 'auto' plans with more headroom")
+        return text + (
+            ". Set activation_checkpointing='full' (or a larger fraction such as '0.75'), lower "
+            "max_tokens_per_microbatch, or lower device_memory_gib so that 'auto' plans with more headroom"
+        )
 
 
 # -- kernels ----------------------------------------------------------------------------------------------
@@ -118,7 +122,9 @@ def liger_supports(model) -> bool:
     return getattr(getattr(model, "config", None), "model_type", None) in MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
-def apply_liger_kernels(model, *, fused_linear_cross_entropy: bool, kernel_config: dict | None = None) -> None:
+def apply_liger_kernels(
+    model, *, fused_linear_cross_entropy: bool, kernel_config: dict | None = None
+) -> None:
     """Liger's kernels on ``model`` (before sharding), through transformers' own integration (what the Trainer
     does for ``use_liger_kernel``); its fused linear cross-entropy only where asked."""
     from transformers.integrations.liger import apply_liger_kernel
@@ -160,6 +166,8 @@ def guard_sharded_head(model) -> None:
     """
     from torch.distributed.tensor import DTensor
 
+    if hasattr(model, "get_base_model"):  # PEFT: the transformers model inside
+        model = model.get_base_model()
     head = model.get_output_embeddings()
 
     def check(module, args, output):
@@ -191,7 +199,9 @@ def enable_checkpointing(model, checkpointed: int) -> None:
         return
     if checkpointed and not all(hasattr(layer, "_gradient_checkpointing_func") for layer in layers):
         kwargs = {"use_reentrant": False}  # non-reentrant: works with FSDP2 and keyword arguments
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 (the old name warns there)
+        if hasattr(
+            model, "activation_checkpointing_enable"
+        ):  # transformers >= 5.24 (the old name warns there)
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -248,7 +258,9 @@ def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: s
             small = type(model)(config).to(dtype)
         small.train()
         if kernels == "liger":
-            apply_liger_kernels(small, fused_linear_cross_entropy=loss == LIGER_FLCE, kernel_config=kernel_config)
+            apply_liger_kernels(
+                small, fused_linear_cross_entropy=loss == LIGER_FLCE, kernel_config=kernel_config
+            )
         if loss == TRL_FUSED_HEAD:
             install_fused_head(small)
         grads = sum(p.numel() * p.element_size() for p in small.parameters() if p.requires_grad)
@@ -307,7 +319,9 @@ def plan_checkpointing(path: ComputePath, model, *, policy: str, tokens: int, de
         return path
     if policy != "auto":
         n = checkpointed_count(policy, len(layers))
-    elif torch.device(device).type != "cuda":  # no allocator statistics to calibrate against: see performance.md
+    elif (
+        torch.device(device).type != "cuda"
+    ):  # no allocator statistics to calibrate against: see performance.md
         n = 0
     else:
         memory = calibrate_memory(model, device=device, dtype=compute_dtype, kernels=path.kernels, loss=path.loss,
@@ -400,7 +414,10 @@ def setup(trainer) -> ComputePath:
         if getattr(args, "gradient_checkpointing", False) and trainer.accelerator.is_main_process:
             logger.info("odc_hf: activation_checkpointing=%r manages checkpointing; the training arguments' "
                         "gradient_checkpointing=True is not applied", path.checkpointing)  # fmt: skip
-        for name in ("gradient_checkpointing", "activation_checkpointing"):  # the second: transformers >= 5.24
+        for name in (
+            "gradient_checkpointing",
+            "activation_checkpointing",
+        ):  # the second: transformers >= 5.24
             if hasattr(args, name):
                 setattr(args, name, False)
     return path

@@ -200,7 +200,7 @@ class ODCMixin:
         if choice == "tokens":
             return TokenCostModel()
         data = json.loads(Path(choice).read_text())
-        compute_path.check_recorded(data, self.odc_compute, choice)
+        compute_path.check_recorded(data, getattr(self, "odc_compute", None), choice)
         if all(k in data for k in "abc"):
             return QuadraticCostModel.from_dict(data)
         if "lengths" in data and "seconds" in data:  # raw timings: fit them
