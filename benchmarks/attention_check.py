@@ -47,8 +47,8 @@ def main(argv=None) -> None:
     collate = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
     T = args.tokens
     rows = {"1 doc": [T], "2 docs": [T * 5 // 8, T - T * 5 // 8], "4 docs": [T // 4] * 4}
-    paths = {"varlen kernel": ("sdpa_varlen", True), "per-doc SDPA": ("sdpa_varlen", False),
-             "sdpa + mask": ("sdpa", True)}  # fmt: skip
+    paths = {"varlen kernel": attention.register(attention.VarlenAttention(varlen_kernel=True)),
+             "per-doc SDPA": attention.VARLEN_ATTENTION, "sdpa + mask": "sdpa"}  # attn_implementation names
     results = []
     for row_name, lengths in rows.items():
         g = torch.Generator().manual_seed(1)
@@ -56,9 +56,8 @@ def main(argv=None) -> None:
             {"input_ids": torch.randint(1, config.vocab_size, (n,), generator=g).tolist()} for n in lengths
         ]
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collate(docs).items()}
-        for path_name, (impl, use_kernel) in paths.items():
+        for path_name, impl in paths.items():
             model.config._attn_implementation = impl
-            attention.USE_VARLEN_KERNEL = use_kernel
             times = []
             for _ in range(args.repeats + 1):
                 torch.cuda.synchronize()
@@ -76,7 +75,6 @@ def main(argv=None) -> None:
                 }
             )
             print(results[-1], flush=True)
-    attention.USE_VARLEN_KERNEL = False
     env = report.environment()
     lines = [f"# Packed-row attention cost, Qwen2.5-{args.model} shape, one GPU, {T} tokens per row\n",
              report.env_markdown(env), f"fwd+bwd seconds (median of {args.repeats}), activation checkpointing, bf16\n",

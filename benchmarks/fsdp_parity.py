@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _shapes() -> dict:
-    """ "tiny" for CPU smoke runs; "1.5b" is Qwen2.5-1.5B from odc_hf.workloads (WORKLOADS.md)."""
+    """ "tiny" for CPU smoke runs; "1.5b" is Qwen2.5-1.5B from odc_hf.workloads (docs/design.md)."""
     from odc_hf.workloads import QWEN2_5_SHAPES
 
     tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -49,10 +49,10 @@ def _run(rank, world_size, mode, args):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from odc_hf.fsdp import install_odc, shard_model
+    from odc_hf.fsdp import install_odc, shard_model, sum_reduction
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -71,10 +71,7 @@ def _run(rank, world_size, mode, args):
         odc = install_odc(model, timeout_s=300)
         odc.attach_optimizer(opt)
     else:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+        sum_reduction(model)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     steps = []

@@ -11,7 +11,7 @@ tokens and advantages, and trains it twice on the same samples:
 - **fsdp**: FSDP2 collectives as TRL's GRPOTrainer runs them: each rank takes its ``per_device x grad_accum``
   completions, ``grad_accum`` microbatches of ``per_device`` completions each, padded (prompts left, completions
   right) with an attention mask;
-- **odc**: ODC, the trainer's layout (``odc_hf.integrations.grpo.plan_padded``): the generation batch split over
+- **odc**: ODC, the trainer's layout (``odc_hf.balance.plan_padded``): the generation batch split over
   ranks by cost (LB-Mini, then balanced by padded cost; calibrated 1.5B/H200 cost model) and each rank's share
   packed into the fewest padded microbatches of rows x longest <= ``per_device x cap`` tokens: counts differ.
 
@@ -116,11 +116,11 @@ def padded_microbatch(samples, device, multiple: int = 1):
     """TRL's layout: prompts left-padded, completions right-padded; labels only on completion tokens.
 
     ``multiple``: round the row width up to it with masked completion columns (CUDA: see
-    ``odc_hf.integrations.grpo.CUDA_PAD_TO_MULTIPLE_OF``, a torch 2.11 cuDNN NaN at widths 64 mod 128).
+    ``odc_hf.integrations.grpo_batch.CUDA_PAD_TO_MULTIPLE_OF``, a torch 2.11 cuDNN NaN at widths 64 mod 128).
     """
     import torch
 
-    from odc_hf.integrations.grpo import padded_width
+    from odc_hf.balance import padded_width
 
     pw = max(len(s["prompt"]) for s in samples)
     cw = padded_width(pw, max(len(s["completion"]) for s in samples), multiple)
@@ -139,9 +139,9 @@ def layouts(samples, world: int, per_device: int, grad_accum: int, budget, cost_
     """Per variant, per rank, the microbatches (sample indices) of one step.
 
     fsdp: TRL's layout, rank r takes its ``per_device x grad_accum`` contiguous completions in ``grad_accum``
-    microbatches of ``per_device``; odc: the trainer's :func:`~odc_hf.integrations.grpo.plan_padded`.
+    microbatches of ``per_device``; odc: the trainer's :func:`~odc_hf.balance.plan_padded`.
     """
-    from odc_hf.integrations.grpo import padded_microbatch_width, plan_padded
+    from odc_hf.balance import padded_microbatch_width, plan_padded
 
     per_rank = per_device * grad_accum
     fsdp = [[list(range(start, start + per_device)) for start in range(r * per_rank, (r + 1) * per_rank, per_device)]
@@ -162,7 +162,8 @@ def predicted_step(samples, layout: dict, cost_model) -> dict:
     pads it; optimizer, clipping and exchanges not included.
     """
 
-    from odc_hf.integrations.grpo import CUDA_PAD_TO_MULTIPLE_OF, padded_width
+    from odc_hf.balance import padded_width
+    from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
 
     def cost(mb):
         prompt = max(len(samples[i]["prompt"]) for i in mb)
@@ -240,10 +241,10 @@ def _cost_model(args, config):
 def _rank(rank: int, world: int, args):
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from odc_hf.fsdp import install_odc
-    from odc_hf.integrations.grpo import CUDA_PAD_TO_MULTIPLE_OF
+    from odc_hf.fsdp import install_odc, sum_reduction
+    from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -251,10 +252,7 @@ def _rank(rank: int, world: int, args):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
     models = {"fsdp": _build(config, device, mp, args.model == "1.5B"),
               "odc": _build(config, device, mp, args.model == "1.5B")}  # fmt: skip
-    for module in models["fsdp"].modules():  # SUM semantics, the loss carries the global normaliser (as ODC)
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    sum_reduction(models["fsdp"])  # SUM semantics, the loss carries the global normaliser (as ODC)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-6, weight_decay=0.0) for k, m in models.items()}
     odc = install_odc(models["odc"], timeout_s=300)
     odc.attach_optimizer(opts["odc"])
@@ -447,7 +445,7 @@ def markdown(env: dict, result: dict, summary: dict, args) -> str:
 
 def predict(args) -> list[dict]:
     """``--predict``: the cost model's fwd+bwd step times of both layouts on the run's rollouts (no training, CPU)."""
-    from odc_hf.integrations.grpo import CUDA_PAD_TO_MULTIPLE_OF
+    from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
 
     config, cap = _config(args)
     cost_model, cost_name = _cost_model(args, config)

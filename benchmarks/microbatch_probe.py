@@ -44,17 +44,17 @@ def _run(rank, world_size, args):
     import torch
     import torch.distributed as dist
 
-    from benchmarks.sft_e2e import _build, _calibrate, _config, _run_step, sample_ids
+    from benchmarks.sft_setup import build_model, calibrate_cost_model, model_config, run_step, sample_ids
     from odc_hf import attention
-    from odc_hf.balance import BundleCollator
+    from odc_hf.integrations.bundle import BundleCollator
     from odc_hf.integrations.stats import DeviceClock
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     clock = DeviceClock(device)
-    config = _config(args)
-    cost_model, points = _calibrate(rank, world_size, args, device, config)
-    model, optimizer, odc = _build("odc", config, device, args)
+    config = model_config(args)
+    cost_model, points = calibrate_cost_model(rank, world_size, args, device, config)
+    model, optimizer, odc, _ = build_model("odc", config, device, args)
     collator = BundleCollator(max_tokens_per_microbatch=args.max_tokens, truncate=True, pad_token_id=0)
     results = {"calibration": {"points": points, **cost_model.to_dict(), "describe": cost_model.describe()},
                "cases": []}  # fmt: skip
@@ -88,7 +88,7 @@ def _run(rank, world_size, args):
         reps = []
         for rep in range(args.repeats + 1):
             syncs = attention.CALLS["bounds_sync"]
-            rec = _run_step(model, optimizer, odc, batches, labels, device, clock)
+            rec = run_step(model, optimizer, odc, batches, labels, device, clock)
             rec["bounds_sync"] = attention.CALLS["bounds_sync"] - syncs
             if rep:
                 reps.append(rec)
@@ -138,7 +138,7 @@ def _run(rank, world_size, args):
             batches = collator(examples)
             labels = sum(s - 1 for lay in layout for mb in scaled(lay) for s in mb)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                _run_step(model, optimizer, odc, batches, labels, device, clock)
+                run_step(model, optimizer, odc, batches, labels, device, clock)
             table_gpu = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
             table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
             Path(args.out).mkdir(parents=True, exist_ok=True)

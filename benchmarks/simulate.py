@@ -7,12 +7,16 @@ FSDP = Σ over microbatch index of the slowest rank, ODC = the busiest rank's to
 
     python benchmarks/simulate.py --workload longalign --model 1.5B
     python benchmarks/simulate.py --workload longalign --calibration calib.json   # {"a","b","c"} or timings
+
+Several nodes (ODC-HSDP vs FSDP2-HSDP vs FSDP2 full sharding, with an inter-node communication model):
+``python benchmarks/simulate.py multinode [...]``, see simulate_multinode.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -194,6 +198,11 @@ def plot(results, path: Path, title: str) -> None:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["multinode"]:
+        from simulate_multinode import main as multinode_main
+
+        return multinode_main(argv[1:])
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -20,7 +20,8 @@ _LAZY = {
     "ODCGRPOTrainer": "odc_hf.integrations.grpo",
     "patch_trl": "odc_hf.integrations.trl",
     "ODCTrainingArguments": "odc_hf.integrations.arguments",
-    "ODCSFTConfig": "odc_hf.integrations.arguments",
+    "ODCSFTConfig": "odc_hf.integrations.trl_config",
+    "ODCGRPOConfig": "odc_hf.integrations.trl_config",
     "make_odc_arguments": "odc_hf.integrations.arguments",
 }
 

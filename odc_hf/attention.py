@@ -1,7 +1,7 @@
 """Per-document causal attention for packed rows, on torch's SDPA kernels (no flash-attn package needed).
 
 Packed microbatches (several documents in one row, ``position_ids`` restarting at 0, as TRL's padding-free
-collator and :class:`~odc_hf.balance.BundleCollator` build them) need attention that stays inside each
+collator and :class:`~odc_hf.integrations.bundle.BundleCollator` build them) need attention that stays inside each
 document. transformers' ``"sdpa"`` does that with an explicit block-diagonal mask (``masking_utils``), and
 SDPA with a materialised mask runs a kernel that skips nothing: a row of documents s1, s2, ... then costs
 ``(s1 + s2 + ...)^2`` attention, not the ``s1^2 + s2^2 + ...`` the balancer's cost model (and flash-attn's
@@ -10,7 +10,7 @@ planned (see ``benchmarks/results/sft_main_job_*``).
 
 ``attn_implementation="sdpa_varlen"`` keeps attention inside each document at the ``cu_seq_lens_q``
 boundaries the padding-free collators provide, without building a mask: one causal SDPA call per document
-(the flash kernel on GPUs). ``USE_VARLEN_KERNEL = True`` switches CUDA to torch's
+(the flash kernel on GPUs). ``VarlenAttention(varlen_kernel=True)`` switches CUDA to torch's
 ``torch.nn.attention.varlen.varlen_attn`` (one flash-varlen launch per layer for the whole row). Measured on one
 H200 (torch 2.11, Qwen2.5-1.5B shape, fwd+bwd of a 28,672-token row, ``benchmarks/attention_check.py``): one
 document 1.38 s on every path; 2 documents 1.13 s per-document SDPA, 1.35 s varlen kernel, 2.96 s transformers'
@@ -28,13 +28,20 @@ plan for every new shape and stride it meets, ~0.1 s each for forward and again 
 training meets new document lengths every step, so without care a packed row of new lengths pays that on top of
 its compute: on 2×H200 (1.5B, ``benchmarks/results/microbatch_probe_*``) LB-Mini's freshly packed rows ran at
 1.25x their cost while the same layouts with warm plans ran at 1.04x. Each document's q/k/v are therefore
-copied into a zero-padded buffer of a multiple of :data:`SHAPE_BUCKET` tokens (padding at the end changes no
-causal output or gradient of the real tokens): at most ``max_length / SHAPE_BUCKET`` shapes, all planned once
+copied into a zero-padded buffer of a multiple of ``shape_bucket`` tokens (padding at the end changes no
+causal output or gradient of the real tokens): at most ``max_length / shape_bucket`` shapes, all planned once
 (:func:`warm_up` does it up front). The copies and the padded attention cost ~1% at the default bucket.
+
+**Settings.** Each setting is an explicit :class:`VarlenAttention` (``shape_bucket``, ``varlen_kernel``),
+registered under its own ``attn_implementation`` name (:func:`register`; ``"sdpa_varlen"`` is the default one), so
+the model's ``attn_implementation`` says which attention it runs and nothing is switched globally. Under the odc_hf
+trainers, ``ODCConfig.attention_shape_bucket`` / ``attention_varlen_kernel`` choose it for a model on
+``"sdpa_varlen"``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import weakref
 from collections import Counter
@@ -43,7 +50,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-__all__ = ["SHAPE_BUCKET", "VARLEN_ATTENTION", "document_bounds", "register", "sdpa_varlen_attention_forward", "warm_up"]
+__all__ = ["DEFAULT_SHAPE_BUCKET", "VARLEN_ATTENTION", "VarlenAttention", "attention_of", "document_bounds", "register",
+           "sdpa_varlen_attention_forward", "warm_up"]  # fmt: skip
 
 VARLEN_ATTENTION = "sdpa_varlen"
 """The ``attn_implementation`` name this module registers."""
@@ -52,11 +60,8 @@ CALLS: Counter = Counter()
 """How often each path ran: ``documents`` (per-document SDPA calls), ``single`` (one-document rows), ``fallback``;
 ``bounds_sync`` counts the host reads of the document boundaries (cache misses)."""
 
-SHAPE_BUCKET = 1024
-"""Pad each document's attention inputs to a multiple of this many tokens (0: no padding, exact shapes). See above."""
-
-USE_VARLEN_KERNEL = False
-"""Use torch's flash varlen kernel on CUDA when available instead of per-document SDPA (slower on H200, see above)."""
+DEFAULT_SHAPE_BUCKET = 1024
+"""The shape bucket of ``"sdpa_varlen"`` (and ``ODCConfig.attention_shape_bucket``'s default). See above."""
 
 try:  # torch >= 2.10; its signature changed between releases, so arguments are chosen by name below
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -92,15 +97,50 @@ def document_bounds(cu_seq_lens: torch.Tensor | None, length: int) -> list[tuple
     return bounds
 
 
+@dataclasses.dataclass(frozen=True)
+class VarlenAttention:
+    """One setting of per-document attention, callable as an ``AttentionInterface`` function.
+
+    Args:
+        shape_bucket: pad each document's attention inputs to a multiple of this many tokens (0: exact shapes).
+        varlen_kernel: on CUDA, run torch's flash varlen kernel once per layer instead of per-document SDPA
+            (slower on an H200, see the module docstring).
+    """
+
+    shape_bucket: int = DEFAULT_SHAPE_BUCKET
+    varlen_kernel: bool = False
+
+    def __post_init__(self):
+        if int(self.shape_bucket) != self.shape_bucket or self.shape_bucket < 0:
+            raise ValueError(f"shape_bucket must be an integer >= 0, got {self.shape_bucket}")
+
+    @property
+    def name(self) -> str:
+        """The ``attn_implementation`` name :func:`register` gives it: ``"sdpa_varlen"`` for the default setting."""
+        if self == VarlenAttention():
+            return VARLEN_ATTENTION
+        return f"{VARLEN_ATTENTION}_bucket{self.shape_bucket}" + ("_kernel" if self.varlen_kernel else "")
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        return sdpa_varlen_attention_forward(module, query, key, value, attention_mask,
+                                             shape_bucket=self.shape_bucket, varlen_kernel=self.varlen_kernel,
+                                             **kwargs)  # fmt: skip
+
+
 def sdpa_varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    *,
+    shape_bucket: int = DEFAULT_SHAPE_BUCKET,
+    varlen_kernel: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention function for ``AttentionInterface``: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out."""
+    """Attention function for ``AttentionInterface``: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out.
+
+    ``shape_bucket`` and ``varlen_kernel`` as in :class:`VarlenAttention` (which passes its own)."""
     cu_seq_lens = kwargs.pop("cu_seq_lens_q", None)
     for key_name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
         kwargs.pop(key_name, None)
@@ -111,21 +151,21 @@ def sdpa_varlen_attention_forward(
     bounds = document_bounds(cu_seq_lens, length)
     if len(bounds) == 1:
         CALLS["single"] += 1
-        return _document(module, query, key, value, 0, length, kwargs), None
-    if USE_VARLEN_KERNEL and query.is_cuda and _varlen_attn is not None and kwargs.get("dropout", 0.0) == 0.0:
+        return _document(module, query, key, value, 0, length, kwargs, shape_bucket), None
+    if varlen_kernel and query.is_cuda and _varlen_attn is not None and kwargs.get("dropout", 0.0) == 0.0:
         CALLS["varlen"] += 1
         return _flash_varlen(module, query, key, value, cu_seq_lens, bounds, kwargs.get("scaling")), None
     CALLS["documents"] += len(bounds)
-    outputs = [_document(module, query, key, value, a, b, kwargs) for a, b in bounds]
+    outputs = [_document(module, query, key, value, a, b, kwargs, shape_bucket) for a, b in bounds]
     return torch.cat(outputs, dim=1), None
 
 
-def _document(module, query, key, value, start: int, end: int, kwargs) -> torch.Tensor:
-    """SDPA of tokens ``start:end`` alone, causal ones padded to the shape bucket: (1, end - start, H, D)."""
+def _document(module, query, key, value, start: int, end: int, kwargs, shape_bucket: int) -> torch.Tensor:
+    """SDPA of tokens ``start:end`` alone (causal ones padded to a multiple of ``shape_bucket``): (1, n, H, D)."""
     n = end - start
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    bucket = SHAPE_BUCKET if causal else 0  # zero keys after the tokens are invisible only to causal queries
+    bucket = shape_bucket if causal else 0  # zero keys after the tokens are invisible only to causal queries
     pad = (-n) % bucket if bucket > 0 else 0
     q, k, v = (t[:, :, start:end] for t in (query, key, value))
     if pad:  # zeros after the last token: causal attention of the real tokens never sees them
@@ -136,6 +176,16 @@ def _document(module, query, key, value, start: int, end: int, kwargs) -> torch.
     return out[:, :n] if pad else out
 
 
+def attention_of(model: torch.nn.Module) -> VarlenAttention | None:
+    """The :class:`VarlenAttention` a model's ``attn_implementation`` names, or None when it uses another attention."""
+    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    try:
+        function = AttentionInterface()[name]
+    except KeyError:
+        return None
+    return function if isinstance(function, VarlenAttention) else None
+
+
 def warm_up(
     model: torch.nn.Module,
     max_length: int | None = None,
@@ -144,17 +194,20 @@ def warm_up(
 ) -> int:
     """Run forward+backward of one attention layer at every bucket length up to ``max_length``; return the count.
 
-    Plans cuDNN's attention for every shape training can meet (see :data:`SHAPE_BUCKET`), so the first steps of
-    a run are not slower than the rest. ``max_length`` defaults to the attention config's
-    ``max_position_embeddings``; ``dtype`` is the attention's compute dtype (default: the parameters' if half
+    Plans cuDNN's attention for every shape training can meet (the shape bucket of the model's
+    :class:`VarlenAttention`), so the first steps of a run are not slower than the rest. ``max_length`` defaults to
+    the attention config's ``max_position_embeddings``; ``dtype`` is the attention's compute dtype (default: the parameters' if half
     precision, else bfloat16); ``device`` is where training will run (default: the parameters' device; pass it when
-    the model is still on the CPU, as the Trainer's is before ``accelerator.prepare``). No-op (returns 0) off CUDA or
-    with ``SHAPE_BUCKET = 0``. Parameters, their gradients and the random number generators are not touched.
+    the model is still on the CPU, as the Trainer's is before ``accelerator.prepare``). No-op (returns 0) off CUDA, for
+    a model not on a ``"sdpa_varlen"`` attention, or with shape bucket 0. Parameters, their gradients and the random
+    number generators are not touched.
     """
+    settings = attention_of(model)
+    bucket = settings.shape_bucket if settings is not None else 0
     module = next((m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "head_dim")), None)
     param = next(model.parameters(), None)
     device = torch.device(device) if device is not None else (param.device if param is not None else None)
-    if SHAPE_BUCKET <= 0 or module is None or device is None or device.type != "cuda":
+    if bucket <= 0 or module is None or device is None or device.type != "cuda":
         return 0
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -162,22 +215,22 @@ def warm_up(
         dtype = param.dtype if param is not None and param.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     config = getattr(module, "config", None) or model.config  # the text config of composite models
     with torch.random.fork_rng(devices=[device]):  # leave the seeded generators as the Trainer set them
-        count = _plan_shapes(module, config, int(max_length or config.max_position_embeddings), device, dtype)
+        count = _plan_shapes(module, config, int(max_length or config.max_position_embeddings), device, dtype, bucket)
     torch.cuda.synchronize(device)
     return count
 
 
-def _plan_shapes(module, config, limit: int, device, dtype) -> int:
-    """Forward+backward of ``module``'s attention at every multiple of the bucket up to ``limit`` (rounded up)."""
+def _plan_shapes(module, config, limit: int, device, dtype, shape_bucket: int) -> int:
+    """Forward+backward of ``module``'s attention at every multiple of ``shape_bucket`` up to ``limit`` (rounded up)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     kwargs = {"dropout": 0.0, "scaling": getattr(module, "scaling", None)}
     count = 0
-    for length in range(SHAPE_BUCKET, limit + SHAPE_BUCKET, SHAPE_BUCKET):
+    for length in range(shape_bucket, limit + shape_bucket, shape_bucket):
         q = torch.randn((1, heads, length, module.head_dim), device=device, dtype=dtype, requires_grad=True)
         k, v = (torch.randn((1, kv_heads, length, module.head_dim), device=device, dtype=dtype,
                             requires_grad=True) for _ in range(2))  # fmt: skip
-        out = _document(module, q, k, v, 0, length, kwargs)
+        out = _document(module, q, k, v, 0, length, kwargs, shape_bucket)
         out.backward(torch.randn_like(out))  # a dense gradient, laid out like the model's (not sum()'s expand)
         count += 1
     return count
@@ -212,10 +265,12 @@ def _flash_varlen(module, query, key, value, cu_seq_lens, bounds, scaling):
     return out.unsqueeze(0)
 
 
-def register() -> str:
-    """Register ``"sdpa_varlen"`` with transformers (idempotent) and return the name."""
-    AttentionInterface.register(VARLEN_ATTENTION, sdpa_varlen_attention_forward)
-    return VARLEN_ATTENTION
+def register(attention: VarlenAttention | None = None) -> str:
+    """Register ``attention`` (default: ``VarlenAttention()``, named ``"sdpa_varlen"``) with transformers under
+    ``attention.name`` (idempotent) and return the name, to pass as ``attn_implementation``."""
+    attention = attention if attention is not None else VarlenAttention()
+    AttentionInterface.register(attention.name, attention)
+    return attention.name
 
 
 register()

@@ -15,6 +15,8 @@ import os
 from typing import Any
 
 BALANCE_MODES = ("lb_mini", "lb_micro", "none")
+CHECKPOINTING_NAMES = ("auto", "full", "none")
+KERNEL_CHOICES = ("auto", "liger", "none")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,9 +31,12 @@ class ODCConfig:
             microbatches, balanced per microbatch index (works with collectives); ``none``: plain sharding.
         cost_model: how a sample's compute is estimated from its length: ``flop`` (6*N*s + 6*L*d*s^2 from the
             model config), ``tokens`` (linear), or the path of a JSON file with ``{"a": .., "b": .., "c": ..}`` and
-            optionally ``"floor"`` (``QuadraticCostModel.to_dict()`` of ``odc_hf.balance.calibrate``), or timings to fit.
-        max_tokens_per_microbatch: token budget of one packed microbatch (memory bound). ``None``: the longest
-            sample of the dataset, i.e. the smallest budget that fits every sample.
+            optionally ``"floor"`` (``QuadraticCostModel.to_dict()`` of ``odc_hf.calibrate.calibrate``), or timings
+            to fit.
+        max_tokens_per_microbatch: token budget of one microbatch (the memory bound), a positive integer. ``None``:
+            the smallest budget that holds the worst-case microbatch of the trainer's layout (docs/configuration.md):
+            one packed row of the longest sample (SFT / Trainer), or TRL's own widest microbatch (GRPO:
+            ``per_device_train_batch_size`` rows of the widest padded row of the generation batch).
         truncate: cut samples longer than the budget instead of raising.
         timeout_s: how long a rank waits for its peers at the minibatch barrier before raising an error that
             names them. Generous by default: a rank may legitimately run many more microbatches.
@@ -39,6 +44,21 @@ class ODCConfig:
             /dev/shm, or the temp directory when /dev/shm is too small).
         log_timeline: write ``odc_timeline.png`` (per-rank busy/idle per step) to the output directory at the
             end of training.
+        attention_shape_bucket: for a model on ``attn_implementation="sdpa_varlen"``: pad each document's attention
+            inputs to a multiple of this many tokens, so cuDNN plans few shapes, all before training (0: exact
+            shapes). See docs/attention.md.
+        attention_varlen_kernel: for a model on ``"sdpa_varlen"`` on CUDA: one torch flash-varlen call per layer
+            instead of one SDPA call per document (slower on an H200; docs/attention.md).
+        activation_checkpointing: which decoder layers recompute their activations in backward. ``auto``: the
+            least recomputation whose predicted peak memory fits the device at the token budget (memory model
+            calibrated on the GPU; ``none`` on CPU); ``full``; ``none``; or a fraction such as ``"0.5"``: that share
+            of the decoder layers, spread evenly. The ODC trainers only (docs/performance.md).
+        device_memory_gib: the device memory ``auto`` plans against, in GiB (default: the GPU's total memory).
+            Lower it to leave room for something else on the GPU.
+        kernels: Liger's Triton layer kernels (RMSNorm, SwiGLU, RoPE; ODCTrainer also its fused linear
+            cross-entropy). ``auto``: when ``liger-kernel`` is installed (``pip install odc_hf[kernels]``) and
+            training runs on CUDA; ``liger``: required (clear error otherwise; ``use_liger_kernel=True`` in the
+            training arguments means the same); ``none``: off.
     """
 
     enabled: bool = True
@@ -49,6 +69,11 @@ class ODCConfig:
     timeout_s: float = 600.0
     shm_dir: str | None = None
     log_timeline: bool = True
+    attention_shape_bucket: int = 1024
+    attention_varlen_kernel: bool = False
+    activation_checkpointing: str = "auto"
+    device_memory_gib: float | None = None
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:
@@ -58,12 +83,29 @@ class ODCConfig:
                 "balance='lb_mini' gives ranks different microbatch counts, which FSDP collectives cannot run: "
                 "use balance='lb_micro' or 'none' with enabled=False"
             )
-        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
-            raise ValueError(
-                f"max_tokens_per_microbatch must be positive, got {self.max_tokens_per_microbatch}"
-            )
+        budget = self.max_tokens_per_microbatch
+        if budget is not None and (int(budget) != budget or budget < 1):
+            raise ValueError(f"max_tokens_per_microbatch must be a positive integer, got {budget}")
+        if int(self.attention_shape_bucket) != self.attention_shape_bucket or self.attention_shape_bucket < 0:
+            raise ValueError(f"attention_shape_bucket must be an integer >= 0, got {self.attention_shape_bucket}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if isinstance(self.activation_checkpointing, (int, float)):  # ODCConfig(activation_checkpointing=0.5)
+            object.__setattr__(self, "activation_checkpointing", str(self.activation_checkpointing))
+        if self.activation_checkpointing not in CHECKPOINTING_NAMES:
+            try:
+                fraction = float(self.activation_checkpointing)
+            except ValueError:
+                fraction = -1.0
+            if not 0.0 <= fraction <= 1.0:
+                raise ValueError(
+                    f"activation_checkpointing must be one of {CHECKPOINTING_NAMES} or a fraction of the decoder "
+                    f"layers between 0 and 1 such as '0.5', got {self.activation_checkpointing!r}"
+                )
+        if self.device_memory_gib is not None and self.device_memory_gib <= 0:
+            raise ValueError(f"device_memory_gib must be positive, got {self.device_memory_gib}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.cost_model not in ("flop", "tokens") and not self.cost_model.endswith(".json"):
             raise ValueError(
                 f"cost_model must be 'flop', 'tokens' or a calibration .json path, got {self.cost_model!r}"
@@ -93,5 +135,5 @@ def _parse(field: dataclasses.Field, raw: str) -> Any:
     if kind.startswith("int"):
         return None if raw.lower() == "none" else int(raw)
     if kind.startswith("float"):
-        return float(raw)
+        return None if raw.lower() == "none" else float(raw)
     return raw

@@ -1,4 +1,4 @@
-"""Seeded synthetic sequence-length generators and reference model shapes (WORKLOADS.md).
+"""Seeded synthetic sequence-length generators and reference model shapes (docs/design.md, "Workloads").
 
 No data set is downloaded: the benchmarks draw lengths from distributions fitted to published
 statistics of the workloads the ODC paper evaluates. All lengths are total tokens of one training
@@ -12,7 +12,7 @@ sequence (prompt + response for GRPO). Constants are written out below with thei
 |             | response clipped so the sequence fits the cap (point mass at the cap)              |             |
 | tulu        | lognormal(median 500, σ 1.0), clipped at the cap                                    | 4k          |
 
-"k" is 1024 for the context-window bounds (8k, 64k, ...) and 1000 for the fitted medians. WORKLOADS.md
+"k" is 1024 for the context-window bounds (8k, 64k, ...) and 1000 for the fitted medians. docs/design.md
 gives no σ for the GRPO components: 0.5 is used for both. ``max_length`` clips every workload (the
 trainer's maximum sequence length); for LongAlign it clips after the [8k, 64k] truncation.
 """
@@ -73,7 +73,7 @@ def generate_lengths(name: str, num_samples: int, seed: int, *, max_length: int 
     return np.clip(np.rint(raw), 1, int(cap)).astype(np.int64)
 
 
-# Qwen2.5 dense shapes (head_dim 128), the WORKLOADS.md table: used for FLOP cost models.
+# Qwen2.5 dense shapes (head_dim 128), the docs/design.md table: used for FLOP cost models.
 QWEN2_5_SHAPES = {
     "1.5B": dict(
         num_hidden_layers=28,

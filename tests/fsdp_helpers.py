@@ -127,9 +127,9 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from odc_hf.fsdp import install_odc, shard_model
+    from odc_hf.fsdp import install_odc, shard_model, sum_reduction
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     model = tiny_qwen2().to(device)
@@ -148,10 +148,7 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
         odc = install_odc(model, timeout_s=timeout_s)
         odc.attach_optimizer(opt)
     else:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)  # SUM, like ODC and the reference
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        sum_reduction(model)  # SUM, like ODC and the reference (gloo has no PREMUL_SUM)
     if load_from is not None:
         load_checkpoint(model, opt, load_from)
         if odc is not None:

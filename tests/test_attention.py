@@ -72,17 +72,14 @@ def test_cuda_varlen_kernel_matches_per_document_sdpa():
     _, batch = _packed([300, 17, 129, 64])
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
     outputs = {}
-    try:
-        for use in (True, False):
-            attention.USE_VARLEN_KERNEL = use
-            before = dict(attention.CALLS)
-            out = model(**batch)
-            out.loss.backward()
-            grads = [p.grad.float().clone() for p in model.parameters()]
-            model.zero_grad()
-            outputs[use] = (out.logits.float(), grads, attention.CALLS["varlen"] - before.get("varlen", 0))
-    finally:
-        attention.USE_VARLEN_KERNEL = False
+    for use in (True, False):
+        model.set_attn_implementation(attention.register(attention.VarlenAttention(varlen_kernel=use)))
+        before = dict(attention.CALLS)
+        out = model(**batch)
+        out.loss.backward()
+        grads = [p.grad.float().clone() for p in model.parameters()]
+        model.zero_grad()
+        outputs[use] = (out.logits.float(), grads, attention.CALLS["varlen"] - before.get("varlen", 0))
     assert outputs[True][2] > 0 and outputs[False][2] == 0
     torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=2e-2, atol=2e-2)
     for a, b in zip(outputs[True][1], outputs[False][1]):
@@ -91,17 +88,16 @@ def test_cuda_varlen_kernel_matches_per_document_sdpa():
 
 @pytest.mark.parametrize("bucket", [0, 4, 16])
 @pytest.mark.parametrize("lengths", [[5], [3, 9, 1, 6], [16, 4]])
-def test_shape_buckets_change_no_output_or_gradient(monkeypatch, bucket, lengths):
+def test_shape_buckets_change_no_output_or_gradient(bucket, lengths):
     """Padding every document to the shape bucket gives the same logits and gradients as exact shapes."""
     from odc_hf import attention
 
-    exact, padded = _model(VARLEN_ATTENTION), _model(VARLEN_ATTENTION)
+    exact = _model(attention.register(attention.VarlenAttention(shape_bucket=0)))
+    padded = _model(attention.register(attention.VarlenAttention(shape_bucket=bucket)))
     padded.load_state_dict(exact.state_dict())
     _, batch = _packed(lengths)
-    monkeypatch.setattr(attention, "SHAPE_BUCKET", 0)
     ref = exact(**batch)
     ref.loss.backward()
-    monkeypatch.setattr(attention, "SHAPE_BUCKET", bucket)
     out = padded(**batch)
     out.loss.backward()
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
@@ -111,30 +107,52 @@ def test_shape_buckets_change_no_output_or_gradient(monkeypatch, bucket, lengths
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_warm_up_plans_every_bucket_and_is_a_no_op_off_cuda(monkeypatch):
+def test_warm_up_plans_every_bucket_and_is_a_no_op_off_cuda():
     from odc_hf import attention
 
     model = _model(VARLEN_ATTENTION)
     assert attention.warm_up(model, max_length=64) == 0
-    monkeypatch.setattr(attention, "SHAPE_BUCKET", 16)
     module = model.model.layers[0].self_attn
-    assert attention._plan_shapes(module, model.config, 40, torch.device("cpu"), torch.float32) == 3  # 16, 32, 48
+    assert attention._plan_shapes(module, model.config, 40, torch.device("cpu"), torch.float32, 16) == 3  # 16, 32, 48
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_non_causal_attention_is_never_padded(monkeypatch):
+def test_non_causal_attention_is_never_padded():
     """Zero keys after the tokens would be visible to non-causal queries: those calls keep exact shapes."""
     from types import SimpleNamespace
 
     from odc_hf import attention
 
-    monkeypatch.setattr(attention, "SHAPE_BUCKET", 16)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
     for module, kwargs in ((SimpleNamespace(is_causal=False), {}), (SimpleNamespace(is_causal=True), {"is_causal": False})):
-        out = attention._document(module, q, k, v, 0, 5, {"dropout": 0.0, "scaling": None, **kwargs})
+        out = attention._document(module, q, k, v, 0, 5, {"dropout": 0.0, "scaling": None, **kwargs}, 16)
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
         torch.testing.assert_close(out, ref)
-    causal = attention._document(SimpleNamespace(is_causal=True), q, k, v, 0, 5, {"dropout": 0.0, "scaling": None})
+    causal = attention._document(SimpleNamespace(is_causal=True), q, k, v, 0, 5, {"dropout": 0.0, "scaling": None}, 16)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
     torch.testing.assert_close(causal, ref)
+
+
+def test_trainer_applies_the_odcconfig_attention_setting():
+    """ODCConfig.attention_shape_bucket / attention_varlen_kernel choose the setting of a model on sdpa_varlen."""
+    from types import SimpleNamespace
+
+    from odc_hf import attention
+    from odc_hf.config import ODCConfig
+    from odc_hf.integrations.trainer import ODCMixin
+
+    def check(model, config):
+        accelerator = SimpleNamespace(unwrap_model=lambda m: m, mixed_precision="no", device=torch.device("cpu"))
+        ODCMixin._odc_check_attention(SimpleNamespace(accelerator=accelerator, model=model, odc_config=config), 64)
+        return attention.attention_of(model)
+
+    model = _model(VARLEN_ATTENTION)
+    assert check(model, ODCConfig()) == attention.VarlenAttention()  # the default: left as it is
+    assert model.config._attn_implementation == VARLEN_ATTENTION
+    setting = check(model, ODCConfig(attention_shape_bucket=0, attention_varlen_kernel=True))
+    assert setting == attention.VarlenAttention(shape_bucket=0, varlen_kernel=True)
+    assert model.config._attn_implementation == "sdpa_varlen_bucket0_kernel"
+    plain = _model("sdpa")
+    assert check(plain, ODCConfig(attention_shape_bucket=0)) is None  # another attention is not touched
+    assert plain.config._attn_implementation == "sdpa"

@@ -1,10 +1,11 @@
-"""Cost models: FLOP formula against the WORKLOADS.md table, quadratic fit, calibration on CPU."""
+"""Cost models: FLOP formula against the docs/design.md table, quadratic fit, calibration on CPU."""
 
 import numpy as np
 import pytest
 import torch
 
-from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel, TokenCostModel, calibrate
+from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel, TokenCostModel
+from odc_hf.calibrate import calibrate
 from odc_hf.workloads import qwen2_5_config
 
 

@@ -1,4 +1,4 @@
-"""ODC's GRPO layout (odc_hf.integrations.grpo): padded microbatches within the budget, every sample once, never more
+"""ODC's GRPO layout (odc_hf.balance.padded): padded microbatches within the budget, every sample once, never more
 microbatches than the old layout (first-fit decreasing by tokens, then split for padding), deterministic."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel, TokenCostModel
+from odc_hf.balance.padded import pack_padded, plan_padded
 from odc_hf.balance.planner import pack_first_fit_decreasing, plan_lb_mini
-from odc_hf.integrations.grpo import pack_padded, plan_padded
 from odc_hf.workloads import qwen2_5_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +187,8 @@ def test_set_partitions_helper():
 def test_collate_pads_rows_to_the_multiple_with_masked_completion_columns():
     import torch
 
-    from odc_hf.integrations.grpo import collate, padded_width
+    from odc_hf.balance.padded import padded_width
+    from odc_hf.integrations.grpo_batch import collate
 
     assert padded_width(100, 3676, 128) == 3740 and (100 + 3740) % 128 == 0  # 3776 = 64 mod 128 is avoided
     assert padded_width(100, 28, 1) == 28
@@ -210,7 +211,7 @@ def test_budget_holds_for_the_real_padded_width():
     lengths the packing keeps rows x that width within the budget (a lone sample may exceed it)."""
     import random
 
-    from odc_hf.integrations.grpo import padded_microbatch_width
+    from odc_hf.balance.padded import padded_microbatch_width
 
     lengths, prompts = [1100, 1100], [1000, 100]  # (1000 + 100) and (100 + 1000): together 2 x 2000 columns
     assert pack_padded([0, 1], lengths, 2200) == [[0, 1]]  # by sample length alone they would share
@@ -232,7 +233,7 @@ def test_budget_holds_for_the_real_padded_width():
 def test_padded_reference_log_probs_keep_the_kl_term_finite():
     import torch
 
-    from odc_hf.integrations.grpo import collate
+    from odc_hf.integrations.grpo_batch import collate
 
     samples = [
         {"prompt_ids": torch.arange(1, 4), "completion_ids": torch.arange(1, 6), "completion_mask": torch.ones(5, dtype=torch.long),

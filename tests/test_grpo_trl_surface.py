@@ -7,12 +7,14 @@ import inspect
 import pytest
 import torch
 
-from odc_hf.integrations import grpo
+from odc_hf.balance.padded import pack_padded
+from odc_hf.integrations import grpo, grpo_batch
+from odc_hf.integrations.trl import TESTED_TRL
 
 
 def test_private_grpo_surfaces_exist_on_the_installed_trl():
     import trl
-    from trl import GRPOTrainer
+    from trl.trainer.grpo_trainer import GRPOTrainer  # TRL's own class, also after patch_trl() rebound trl.GRPOTrainer
 
     for name in grpo.TRL_PRIVATE_METHODS:
         assert callable(getattr(GRPOTrainer, name, None)), name
@@ -27,7 +29,7 @@ def test_private_grpo_surfaces_exist_on_the_installed_trl():
     for attr in ("self._metrics", "self.loss_type", "self.beta", "self.ref_model", "self.max_completion_length",
                  "self.num_iterations"):  # fmt: skip
         assert attr in init, attr
-    assert trl.__version__.rsplit(".", 1)[0] in grpo.TESTED_TRL
+    assert trl.__version__.rsplit(".", 1)[0] in TESTED_TRL
 
 
 def test_other_trl_versions_are_refused(monkeypatch):
@@ -39,11 +41,11 @@ def test_other_trl_versions_are_refused(monkeypatch):
 
 
 def _weights(loss_type, mask, slices):
-    return grpo.sample_weights(mask, slices, loss_type=loss_type, num_slices=2, world_size=2,
+    return grpo_batch.sample_weights(mask, slices, loss_type=loss_type, num_slices=2, world_size=2,
                                max_completion_length=8, num_items_in_batch=40.0)  # fmt: skip
 
 
-@pytest.mark.parametrize("loss_type", grpo.SUPPORTED_LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", grpo_batch.SUPPORTED_LOSS_TYPES)
 def test_sample_weights_reproduce_trl_normalisers(loss_type):
     torch.manual_seed(0)
     mask = (torch.rand(4, 8) < 0.7).long()
@@ -74,20 +76,20 @@ def test_unbatch_collate_round_trip():
         "advantages": torch.tensor([0.5, -1.0]),
         "num_items_in_batch": torch.tensor(3),
     }
-    samples = grpo.unbatch(batch, torch.tensor([1.0, 2.0]))
+    samples = grpo_batch.unbatch(batch, torch.tensor([1.0, 2.0]))
     assert samples[0]["prompt_ids"].tolist() == [5, 6] and samples[1]["completion_ids"].tolist() == [13]
-    again = grpo.collate(samples, pad_token_id=0, device="cpu")
+    again = grpo_batch.collate(samples, pad_token_id=0, device="cpu")
     for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages"):
         expected = batch[key][:, :2] if key.startswith("completion") else batch[key]  # trailing padding dropped
         assert torch.equal(again[key], expected), key
     assert again["num_label_tokens"] == 3
     with pytest.raises(NotImplementedError, match="pixel_values"):
-        grpo.unbatch({**batch, "pixel_values": torch.zeros(2, 3)}, torch.ones(2))
+        grpo_batch.unbatch({**batch, "pixel_values": torch.zeros(2, 3)}, torch.ones(2))
 
 
 def test_pack_padded_keeps_padded_microbatches_within_budget():  # more in test_grpo_packing.py
     lengths = [100, 10, 10, 10, 60, 50]
-    parts = grpo.pack_padded([0, 1, 2, 3, 4, 5], lengths, 200)
+    parts = pack_padded([0, 1, 2, 3, 4, 5], lengths, 200)
     assert sorted(i for p in parts for i in p) == list(range(6))
     assert all(len(p) * max(lengths[i] for i in p) <= 200 for p in parts)
 

@@ -1,5 +1,5 @@
-"""benchmarks/trainer_checks.py's comparison and report (the runs themselves are the CPU suite's end-to-end
-tests), and the dtype the trainer plans attention shapes for."""
+"""benchmarks/trainer_checks.py's comparison and report (benchmarks/compare.py; the runs themselves are the CPU suite's
+end-to-end tests), and the dtype the trainer plans attention shapes for."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import trainer_checks  # noqa: E402
+from benchmarks import compare  # noqa: E402
 from odc_hf.integrations.trainer import attention_dtype  # noqa: E402
 
 
@@ -22,27 +22,27 @@ def history(losses, grads):
 def test_compare_relative_and_near_zero_losses():
     ref = history([3.7e-9, 9.4253e-05, 2.5], [1.0, 2.0, 3.0])
     close = history([1.5e-8, 9.4272e-05, 2.5 * (1 + 5e-6)], [1.0, 2.0 * (1 + 5e-5), 3.0])
-    r = trainer_checks.compare("x", close, ref)
+    r = compare.compare("x", close, ref)
     assert r["ok"], r  # 1e-8 apart near 0 (the relative difference there is meaningless), 5e-6 relative elsewhere
     assert r["max_abs_loss"] == pytest.approx(2.5 * 5e-6)
     assert r["max_rel_grad_norm"] == pytest.approx(5e-5)
     far = history([3.7e-9, 9.4253e-05, 2.5 * (1 + 2e-5)], [1.0, 2.0, 3.0])
-    assert not trainer_checks.compare("x", far, ref)["ok"]
+    assert not compare.compare("x", far, ref)["ok"]
     bad_grad = history([3.7e-9, 9.4253e-05, 2.5], [1.0, 2.0, 3.0 * (1 + 2e-4)])
-    assert not trainer_checks.compare("x", bad_grad, ref)["ok"]
+    assert not compare.compare("x", bad_grad, ref)["ok"]
     nan = history([float("nan"), 9.4253e-05, 2.5], [1.0, 2.0, 3.0])
-    assert not trainer_checks.compare("x", nan, ref)["ok"]
-    assert not trainer_checks.compare("x", ref[:2], ref)["ok"]  # a missing step
-    assert trainer_checks.compare("x", ref, ref, steps=range(2, 4))["steps"] == 2
+    assert not compare.compare("x", nan, ref)["ok"]
+    assert not compare.compare("x", ref[:2], ref)["ok"]  # a missing step
+    assert compare.compare("x", ref, ref, steps=range(2, 4))["steps"] == 2
 
 
 def test_markdown_lists_every_check():
     env = {"date": "2026-11-30T00:00:00+00:00", "gpus": [], "cpu": "x86_64", "versions": {"torch": "2.13.0"},
            "commit": "abc", "command": "python benchmarks/trainer_checks.py"}  # fmt: skip
     ref = history([1.0, 2.0], [1.0, 1.0])
-    results = [trainer_checks.compare("sft", ref, ref),
+    results = [compare.compare("sft", ref, ref),
                {"name": "warm", "ok": False, "warm_up": None, "losses": [1.0], "why": "no warm-up recorded"}]  # fmt: skip
-    text = trainer_checks.markdown({"env": env, "results": results})
+    text = compare.checks_markdown({"env": env, "results": results})
     assert "| sft | yes | 0.0e+00 | 0.0e+00 | 0.0e+00 |" in text
     assert "| warm | **no** |" in text and "no warm-up recorded" in text
     assert text.count("\n| ") == 3  # the header and two checks

@@ -91,13 +91,47 @@ def _count_files(rank, world_size, directory):
 def test_buffers_leave_no_files_and_stale_files_are_swept(tmp_path):
     during = run_ranks(_count_files, 2, str(tmp_path))
     assert during == [[], []]  # unlinked as soon as every rank has mapped them
+    # Nobody holds these: swept, whatever pid the name carries (ours is alive, yet the file is an orphan).
     dead = tmp_path / "odc-0123abcd-999999999-unit0"
-    live = tmp_path / f"odc-0123abcd-{os.getpid()}-unit0"
+    orphan = tmp_path / f"odc-0123abcd-{os.getpid()}-unit1"
     other = tmp_path / "unrelated"
-    for p in (dead, live, other):
+    for p in (dead, orphan, other):
         p.write_bytes(b"x")
-    assert shm_files.sweep_stale(tmp_path) == [dead]
-    assert live.exists() and other.exists()
+    held = shm_files.create(tmp_path, "4567cdef", "control", 64)  # a live job of this process
+    assert sorted(shm_files.sweep_stale(tmp_path)) == sorted([dead, orphan])
+    assert other.exists() and held.path.exists()
+    held.release()
+    assert not held.path.exists()
+    held.release()  # idempotent
+
+
+_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+fcntl.flock(fd, fcntl.LOCK_SH)
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_sweep_keeps_a_live_job_whose_pid_it_cannot_see(tmp_path):
+    """A job in another pid namespace (containers sharing /dev/shm) names its files with a pid this process cannot
+    see; while that job holds its file's lock, the sweep must leave the file alone; once it is gone, sweep it."""
+    import subprocess
+    import sys
+
+    invisible_pid = 2**22 + 12345  # above any pid_max: no process here has it
+    assert not shm_files.pid_alive(invisible_pid)
+    path = tmp_path / f"odc-89abcdef-{invisible_pid}-unit0"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert shm_files.sweep_stale(tmp_path) == []
+        assert path.exists()
+    finally:
+        holder.communicate("done\n", timeout=30)
+    assert shm_files.sweep_stale(tmp_path) == [path]
 
 
 def _mismatch(rank, world_size):

@@ -1,4 +1,4 @@
-"""Synthetic length generators follow WORKLOADS.md."""
+"""Synthetic length generators follow docs/design.md ("Workloads")."""
 
 import numpy as np
 import pytest

@@ -8,7 +8,7 @@ restarting per document) attention is computed per document, so the cost of a pa
     microbatch_cost = max(floor, overhead + sum over its documents of doc_cost(length))
 
 where ``overhead`` is a fixed per-microbatch price and ``floor`` the least a microbatch costs at all
-(both zero for the analytic models; fitted by :func:`calibrate`). The floor is how a real GPU behaves:
+(both zero for the analytic models; fitted by ``odc_hf.calibrate.calibrate``). The floor is how a real GPU behaves:
 a short row is launch-bound (the host issues kernels slower than the GPU runs them, ~0.18 s per
 fwd+bwd of a 1.5B model on an H200 up to ~4k tokens), while a long row is GPU-bound and its host work
 hides under the GPU's. Fitting that with an additive ``a`` instead (``a + b·s + c·s²`` over all lengths)
@@ -18,25 +18,23 @@ floor model says 1.13 s and 0.99 s (``benchmarks/results/attention_check_*``).
 
 Three models:
 
-- :class:`FlopCostModel`: ``6·N·s + 6·L·d_attn·s²`` from a model config (WORKLOADS.md). No
+- :class:`FlopCostModel`: ``6·N·s + 6·L·d_attn·s²`` from a model config (docs/design.md). No
   measurements needed; ignores that short sequences are launch-bound on real GPUs.
 - :class:`TokenCostModel`: cost = tokens. What "balance by tokens" planners implicitly use; shown
   for comparison, and the sampler's default only because it needs no config.
 - :class:`QuadraticCostModel`: ``max(floor, a + b·s + c·s²)`` fitted to timings measured on the target
-  device (:func:`calibrate`), the most faithful when the device is available.
+  device (``odc_hf.calibrate``, which runs the model), the most faithful when the device is available.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
 import numpy as np
 
-__all__ = ["CostModel", "FlopCostModel", "QuadraticCostModel", "TokenCostModel", "calibrate", "time_lengths"]
+__all__ = ["CostModel", "FlopCostModel", "QuadraticCostModel", "TokenCostModel"]
 
 
 def as_lengths(lengths: Sequence[int] | np.ndarray, *, name: str = "lengths") -> np.ndarray:
@@ -151,7 +149,7 @@ class TokenCostModel(CostModel):
 
 @dataclass(frozen=True, kw_only=True)
 class QuadraticCostModel(CostModel):
-    """``max(floor, a + Σ (b·s + c·s²))`` per microbatch of documents s, usually in seconds (:func:`calibrate`).
+    """``max(floor, a + Σ (b·s + c·s²))`` per microbatch of documents s, usually in seconds (``odc_hf.calibrate``).
 
     ``a`` is a fixed price per microbatch, ``floor`` the least any microbatch costs (launch-bound rows,
     see the module docstring); ``floor=0`` gives the plain additive model.
@@ -184,7 +182,8 @@ class QuadraticCostModel(CostModel):
 
     @classmethod
     def from_dict(cls, data: dict) -> QuadraticCostModel:
-        """Read :meth:`to_dict`'s form; ``floor`` may be missing (files written before it existed)."""
+        """Read :meth:`to_dict`'s form; ``floor`` may be missing (files written before it existed). Other keys (the
+        compute path a file records, raw timings) are ignored."""
         missing = [k for k in ("a", "b", "c") if k not in data]
         if missing:
             raise ValueError(f"a cost model needs keys a, b, c (and optionally floor); missing {missing}")
@@ -211,7 +210,7 @@ class QuadraticCostModel(CostModel):
 
         ``microbatches[i]`` holds the document lengths of a packed microbatch that took ``seconds[i]``
         (forward + backward, as timed in training, so sharding, gathers and packing are included). The
-        single-GPU timings of :func:`calibrate` can misjudge packed rows in a sharded run; this fits the
+        single-GPU timings of ``odc_hf.calibrate.calibrate`` can misjudge packed rows in a sharded run; this fits the
         cost the planner will actually see. Same fit as :meth:`fit`, with the floor split on Σs.
         """
         t = np.asarray(seconds, dtype=np.float64)
@@ -289,56 +288,3 @@ class QuadraticCostModel(CostModel):
             f"calibrated model {floor}{self.a:.4g} + {self.b:.4g}·s + {self.c:.4g}·s²{')' if floor else ''} "
             "per microbatch (seconds)"
         )
-
-
-def time_lengths(model, lengths: Sequence[int], *, repeats: int = 3, device=None) -> list[float]:
-    """Median seconds of forward+backward of ``model`` on one random sequence per length.
-
-    Each length is run once to warm up, then ``repeats`` times; the median is kept (robust to the
-    occasional allocator or clock hiccup). Gradients are cleared after each run. ``device`` defaults to
-    the model's own device. The model must accept ``input_ids`` and ``labels`` (any HF causal LM).
-    """
-    import torch
-
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    lengths = [int(s) for s in lengths]
-    if any(s < 2 for s in lengths):
-        raise ValueError("calibration lengths must be >= 2 tokens")
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def run_once(ids):
-        sync()
-        start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        sync()
-        elapsed = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        return elapsed
-
-    was_training = model.training
-    model.train()
-    medians = []
-    try:
-        for s in lengths:
-            ids = torch.randint(0, vocab, (1, s), generator=generator).to(device)
-            run_once(ids)  # warm-up: kernels, allocator, autotuning
-            medians.append(statistics.median(run_once(ids) for _ in range(repeats)))
-    finally:
-        model.train(was_training)
-    return medians
-
-
-def calibrate(model, lengths: Sequence[int], *, repeats: int = 3, device=None) -> QuadraticCostModel:
-    """Time forward+backward of ``model`` at each length (:func:`time_lengths`); fit ``max(floor, a + b·s + c·s²)``.
-
-    Include a few short lengths (launch-bound, they set the floor) and at least three long ones.
-    """
-    seconds = time_lengths(model, lengths, repeats=repeats, device=device)
-    return QuadraticCostModel.fit([int(s) for s in lengths], seconds)

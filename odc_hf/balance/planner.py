@@ -2,7 +2,9 @@
 
 All three are pure functions of ``(lengths, world_size, max_tokens_per_microbatch, cost_model)``, so
 every rank computes the same :class:`~odc_hf.balance.plan.Plan` alone. Indices in the plan are
-positions in ``lengths``.
+positions in ``lengths``. They validate their arguments (:func:`effective_lengths`: the one check of lengths
+against the token budget); :data:`PLANNERS_ON_VALID_INPUT` are the same planners for callers that validated
+already (the sampler, once for the whole dataset).
 
 - :func:`plan_lb_mini` (ODC): balance *cost* across ranks with Karmarkar-Karp + refinement, any number
   of samples per rank; each rank then packs its share into as few microbatches as fit the budget.
@@ -24,7 +26,10 @@ from .partition import karmarkar_karp_labels, labels_to_parts, refine_labels
 from .plan import Plan
 
 __all__ = [
+    "PLANNERS",
+    "PLANNERS_ON_VALID_INPUT",
     "Plan",
+    "effective_lengths",
     "makespan_lower_bound",
     "pack_first_fit_decreasing",
     "plan_lb_mini",
@@ -33,8 +38,10 @@ __all__ = [
 ]
 
 
-def _effective_lengths(lengths, max_tokens: int, truncate: bool) -> np.ndarray:
-    """Validated integer lengths; over-budget samples are an error unless ``truncate`` clips them."""
+def effective_lengths(lengths, max_tokens: int, truncate: bool, *, what: str = "sample") -> np.ndarray:
+    """Validated integer lengths, clipped to the budget; over-budget samples are an error unless ``truncate``.
+
+    Also validates the budget itself (a positive integer). ``what`` names a sample in the error message."""
     if int(max_tokens) != max_tokens or max_tokens < 1:
         raise ValueError(f"max_tokens_per_microbatch must be a positive integer, got {max_tokens}")
     arr = np.asarray(lengths)
@@ -44,13 +51,13 @@ def _effective_lengths(lengths, max_tokens: int, truncate: bool) -> np.ndarray:
         )
     arr = arr.astype(np.int64)
     if arr.size and arr.min() < 0:
-        raise ValueError(f"lengths must be >= 0; sample {int(np.argmin(arr))} has length {int(arr.min())}")
+        raise ValueError(f"lengths must be >= 0; {what} {int(np.argmin(arr))} has length {int(arr.min())}")
     too_long = np.nonzero(arr > max_tokens)[0]
     if too_long.size and not truncate:
         i = int(too_long[0])
         raise ValueError(
-            f"sample {i} has {int(arr[i])} tokens, more than max_tokens_per_microbatch={max_tokens} "
-            f"({too_long.size} such samples); raise the budget or pass truncate=True"
+            f"{what} {i} has {int(arr[i])} tokens, more than max_tokens_per_microbatch={max_tokens} "
+            f"({too_long.size} such samples); raise the budget, filter the data, or pass truncate=True"
         )
     return np.minimum(arr, max_tokens)
 
@@ -72,11 +79,14 @@ def makespan_lower_bound(
     (it only raises costs), so this stays a lower bound.
     """
     world_size = _validate_world_size(world_size)
-    eff = _effective_lengths(lengths, max_tokens_per_microbatch, truncate)
+    eff = effective_lengths(lengths, max_tokens_per_microbatch, truncate)
+    return _lower_bound(eff, world_size, max_tokens_per_microbatch, cost_model, cost_model.doc_costs(eff))
+
+
+def _lower_bound(eff, world_size, max_tokens, cost_model, costs) -> float:
     if eff.size == 0:
         return 0.0
-    costs = cost_model.doc_costs(eff)
-    min_microbatches = max(1, math.ceil(int(eff.sum()) / max_tokens_per_microbatch))
+    min_microbatches = max(1, math.ceil(int(eff.sum()) / max_tokens))
     total = float(costs.sum()) + cost_model.overhead * min_microbatches
     return max(total / world_size, cost_model.price(float(costs.max())))
 
@@ -122,12 +132,14 @@ def _make_plan(mode, microbatches, doc_costs, cost_model, bound, *, heaviest_fir
     )
 
 
-def _prepare(lengths, world_size, max_tokens, cost_model, truncate):
-    world_size = _validate_world_size(world_size)
-    eff = _effective_lengths(lengths, max_tokens, truncate)
+def _validated(lengths, world_size, max_tokens, truncate):
+    """The planners' entry check: (world_size, effective lengths)."""
+    return _validate_world_size(world_size), effective_lengths(lengths, max_tokens, truncate)
+
+
+def _priced(eff, world_size, max_tokens, cost_model):
     doc_costs = cost_model.doc_costs(eff)
-    bound = makespan_lower_bound(eff, world_size, max_tokens, cost_model)
-    return world_size, eff, doc_costs, bound
+    return doc_costs, _lower_bound(eff, world_size, max_tokens, cost_model, doc_costs)
 
 
 def plan_lb_mini(
@@ -142,9 +154,12 @@ def plan_lb_mini(
     second candidate: the plan with the lower predicted ODC time wins, which guarantees LB-Mini never
     predicts worse than LB-Micro (ties keep the Karmarkar-Karp plan).
     """
-    world_size, eff, doc_costs, bound = _prepare(
-        lengths, world_size, max_tokens_per_microbatch, cost_model, truncate
-    )
+    world_size, eff = _validated(lengths, world_size, max_tokens_per_microbatch, truncate)
+    return _lb_mini(eff, world_size, max_tokens_per_microbatch, cost_model)
+
+
+def _lb_mini(eff, world_size, max_tokens_per_microbatch, cost_model) -> Plan:
+    doc_costs, bound = _priced(eff, world_size, max_tokens_per_microbatch, cost_model)
     weights = doc_costs + cost_model.overhead * eff / max_tokens_per_microbatch
     labels = refine_labels(karmarkar_karp_labels(weights, world_size), weights, world_size)
     parts = labels_to_parts(labels, world_size)
@@ -224,9 +239,12 @@ def plan_lb_micro(
     group maxima); inside a group the costliest microbatch goes to the rank with the least work so far,
     which also evens out per-rank totals.
     """
-    world_size, eff, doc_costs, bound = _prepare(
-        lengths, world_size, max_tokens_per_microbatch, cost_model, truncate
-    )
+    world_size, eff = _validated(lengths, world_size, max_tokens_per_microbatch, truncate)
+    return _lb_micro_priced(eff, world_size, max_tokens_per_microbatch, cost_model)
+
+
+def _lb_micro_priced(eff, world_size, max_tokens_per_microbatch, cost_model) -> Plan:
+    doc_costs, bound = _priced(eff, world_size, max_tokens_per_microbatch, cost_model)
     return _lb_micro(eff, world_size, max_tokens_per_microbatch, cost_model, doc_costs, bound)
 
 
@@ -234,9 +252,12 @@ def plan_none(
     lengths, world_size: int, max_tokens_per_microbatch: int, cost_model: CostModel, *, truncate: bool = False
 ) -> Plan:
     """No balancing: sample i to rank i mod W, packed in order, padded with dummies to equal counts."""
-    world_size, eff, doc_costs, bound = _prepare(
-        lengths, world_size, max_tokens_per_microbatch, cost_model, truncate
-    )
+    world_size, eff = _validated(lengths, world_size, max_tokens_per_microbatch, truncate)
+    return _none(eff, world_size, max_tokens_per_microbatch, cost_model)
+
+
+def _none(eff, world_size, max_tokens_per_microbatch, cost_model) -> Plan:
+    doc_costs, bound = _priced(eff, world_size, max_tokens_per_microbatch, cost_model)
     microbatches: list[list[list[int]]] = []
     for rank in range(world_size):
         mbs: list[list[int]] = []
@@ -255,3 +276,7 @@ def plan_none(
 
 PLANNERS = {"lb_mini": plan_lb_mini, "lb_micro": plan_lb_micro, "none": plan_none}
 """Planner by sampler mode name."""
+
+PLANNERS_ON_VALID_INPUT = {"lb_mini": _lb_mini, "lb_micro": _lb_micro_priced, "none": _none}
+"""The same planners without the entry check: ``planner(effective_lengths, world_size, max_tokens, cost_model)``
+for a caller that has validated its arguments with :func:`effective_lengths` and clipped the lengths to the budget."""

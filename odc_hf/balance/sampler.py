@@ -1,6 +1,6 @@
 """``ODCBatchSampler``: one bundle of microbatches per optimizer step, planned identically on every rank.
 
-Use it as the *batch sampler* of a DataLoader over a :class:`~odc_hf.balance.collator.BundleDataset`: each
+Use it as the *batch sampler* of a DataLoader over a ``odc_hf.integrations.bundle.BundleDataset``: each
 "batch" it yields is this rank's bundle for one step, ``list[list[int]]`` (microbatches of dataset indices);
 the dataset turns each microbatch into examples and the collator packs them.
 
@@ -19,7 +19,7 @@ from torch.utils.data import Sampler
 
 from .cost import CostModel, TokenCostModel
 from .plan import Plan
-from .planner import PLANNERS
+from .planner import PLANNERS_ON_VALID_INPUT, effective_lengths
 
 __all__ = ["ODCBatchSampler"]
 
@@ -42,7 +42,7 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
         drop_last: drop the last minibatch if it has fewer than ``minibatch_size`` samples; if False it
             is planned too (ranks may get empty bundles when it has fewer samples than ranks).
         truncate: plan over-budget samples as budget-long (the collator must truncate them, see
-            ``BundleCollator(truncate=True)``); otherwise they raise a ValueError here.
+            ``odc_hf.integrations.bundle.BundleCollator(truncate=True)``); otherwise they raise a ValueError here.
     """
 
     def __init__(
@@ -61,31 +61,17 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
         truncate: bool = False,
     ):
         super().__init__()
-        lengths = np.asarray(lengths)
-        if lengths.ndim != 1 or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
-            raise ValueError("lengths must be a 1-D sequence of integer token counts")
-        if lengths.size and lengths.min() < 0:
-            raise ValueError(f"dataset sample {int(np.argmin(lengths))} has a negative length")
-        for name, value in (
-            ("world_size", world_size),
-            ("minibatch_size", minibatch_size),
-            ("max_tokens_per_microbatch", max_tokens_per_microbatch),
-        ):
+        for name, value in (("world_size", world_size), ("minibatch_size", minibatch_size)):
             if int(value) != value or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        if mode not in PLANNERS:
-            raise ValueError(f"mode must be one of {sorted(PLANNERS)}, got {mode!r}")
-        too_long = np.nonzero(lengths > max_tokens_per_microbatch)[0]
-        if too_long.size and not truncate:
-            i = int(too_long[0])
-            raise ValueError(
-                f"dataset sample {i} has {int(lengths[i])} tokens, more than max_tokens_per_microbatch="
-                f"{max_tokens_per_microbatch} ({too_long.size} such samples); raise the budget, filter "
-                "the dataset, or pass truncate=True"
-            )
-        self.lengths = lengths.astype(np.int64)
+        if mode not in PLANNERS_ON_VALID_INPUT:
+            raise ValueError(f"mode must be one of {sorted(PLANNERS_ON_VALID_INPUT)}, got {mode!r}")
+        # Checked once for the whole dataset here (lengths, budget, over-budget samples); every step's plan then
+        # takes them as valid. The lengths are kept as given; the budget clips them per step when truncate is on.
+        effective_lengths(lengths, max_tokens_per_microbatch, truncate, what="dataset sample")
+        self.lengths = np.asarray(lengths).astype(np.int64)
         self.world_size, self.rank = int(world_size), int(rank)
         self.minibatch_size = int(minibatch_size)
         self.max_tokens_per_microbatch = int(max_tokens_per_microbatch)
@@ -127,14 +113,9 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
     def plan(self, step: int) -> Plan:
         """The full plan (all ranks, dataset indices) of this epoch's ``step``; same on every rank."""
         indices = self.minibatch_indices(step)
-        planner = PLANNERS[self.mode]
-        plan = planner(
-            self.lengths[indices],
-            self.world_size,
-            self.max_tokens_per_microbatch,
-            self.cost_model,
-            truncate=self.truncate,
-        )
+        lengths = np.minimum(self.lengths[indices], self.max_tokens_per_microbatch)  # validated in __init__
+        planner = PLANNERS_ON_VALID_INPUT[self.mode]
+        plan = planner(lengths, self.world_size, self.max_tokens_per_microbatch, self.cost_model)
         return plan.remap(indices)
 
     def __iter__(self) -> Iterator[list[list[int]]]:

@@ -13,6 +13,11 @@ import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied anywhere in ``model`` (by accelerate, by :func:`shard_model` or by hand)."""
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _block_classes(model: torch.nn.Module) -> set[str]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     if not names:

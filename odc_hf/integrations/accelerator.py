@@ -24,58 +24,11 @@ import logging
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
-from torch.distributed.fsdp import FSDPModule
 
 from odc_hf.config import ODCConfig
-from odc_hf.fsdp import ODCHandle, install_odc, shard_model
+from odc_hf.fsdp import ODCHandle, install_odc, is_sharded, shard_model, sum_reduction
 
 logger = logging.getLogger(__name__)
-
-
-_EXIT_HOOK = False
-EXIT_GRACE_S = 0.05  # GIL-free pause at exit for gloo workers still retiring their last collective
-
-
-def destroy_gloo_group_at_exit() -> bool:
-    """At interpreter exit, let gloo's worker threads retire their last work, then destroy the default gloo group.
-
-    Returns True once registered (idempotent; False without an initialised gloo default group: NCCL is left alone).
-
-    Why: a gloo worker thread drops a finished collective's work (and the Python tensors in it) under the GIL, just
-    after the caller's ``wait()`` returned. If the process reaches interpreter finalization first (a non-main rank
-    whose last act was the run's final gather), taking the GIL ends the thread inside a C++ destructor and the
-    process aborts ("terminate called without an active exception", pytorch/pytorch#190489) after training
-    succeeded. The ``atexit`` handler runs while the interpreter is whole: it destroys the group (which joins the
-    workers when nothing else holds the group) and sleeps :data:`EXIT_GRACE_S` without the GIL, so that a worker
-    still holding work can take the GIL and finish (the trainer, FSDP and ODC keep references to the group, so the
-    destroy alone is not enough). 2-process gloo script exiting right after ``all_gather_object``, 30 runs each:
-    6-7 aborts with nothing, 0 with destroy when nothing else holds the group, 3 with destroy while a reference is
-    held, 0 with destroy + pause. The odc_hf trainers register it when training ends.
-    """
-    import atexit
-
-    import torch.distributed as dist
-
-    global _EXIT_HOOK
-    if _EXIT_HOOK or not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
-        return _EXIT_HOOK
-    atexit.register(_retire_gloo_group)
-    _EXIT_HOOK = True
-    return True
-
-
-def _retire_gloo_group() -> None:
-    import time
-
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        dist.destroy_process_group()
-    time.sleep(EXIT_GRACE_S)  # releases the GIL
-
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _remap_optimizer(
@@ -147,7 +100,7 @@ class ODCAccelerator(Accelerator):
         model = models[0]
         if config.enabled:
             _reduce_in_fp32(self)
-        if self.distributed_type != DistributedType.FSDP and not _is_sharded(model):
+        if self.distributed_type != DistributedType.FSDP and not is_sharded(model):
             # CPU: accelerate would use DDP; shard it ourselves, with accelerate's unit grouping.
             names = {id(p): n for n, p in model.named_parameters()}
             model.to(self.device)
@@ -161,10 +114,7 @@ class ODCAccelerator(Accelerator):
         if not config.enabled:
             # The collective baseline: plain FSDP2, but with ODC's SUM semantics (the loss carries the global
             # normaliser), so that both modes train identically.
-            for module in prepared_model.modules():
-                if isinstance(module, FSDPModule):
-                    module.set_gradient_divide_factor(1.0)
-                    module.set_force_sum_reduction_for_comms(True)
+            sum_reduction(prepared_model)
             return prepared
         if self.odc is not None:
             raise ValueError("ODCAccelerator already prepared a model with ODC")
@@ -179,7 +129,7 @@ class ODCAccelerator(Accelerator):
         return prepared
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
-        if self.distributed_type != DistributedType.FSDP and _is_sharded(model):
+        if self.distributed_type != DistributedType.FSDP and is_sharded(model):
             # Already sharded by us (CPU path): no DDP on top of FSDP2.
             return super().prepare_model(model, device_placement=False, evaluation_mode=True)
         return super().prepare_model(

@@ -1,35 +1,76 @@
-"""ODC options as trainer arguments: ``ODCTrainingArguments`` / ``ODCSFTConfig`` add ``odc_*`` fields.
+"""ODC options as trainer arguments: ``odc_*`` fields on ``ODCTrainingArguments`` (here), ``ODCSFTConfig`` and
+``ODCGRPOConfig`` (``odc_hf.integrations.trl_config``).
 
-They are the same knobs as :class:`odc_hf.ODCConfig` (one definition: the fields below are derived from it),
-exposed where argument parsers look (``HfArgumentParser``/``TrlParser`` give ``--odc_balance`` etc.). A field
-left at ``None`` falls back to the ``ODC_*`` environment variable, then to ODCConfig's default; an explicit
-``odc_config=`` passed to the trainer wins over all of them.
+They are the knobs of :class:`odc_hf.ODCConfig`, one ``odc_<field>`` per field, written out in :class:`ODCArguments`
+so that argument parsers (``HfArgumentParser`` / ``TrlParser``: ``--odc_balance`` ...), ``--help`` and IDEs show them;
+``tests/test_trainer_arguments.py`` keeps the two in step. A field left at ``None`` (not set) falls back to the
+``ODC_*`` environment variable, then to ODCConfig's default; an explicit ``odc_config=`` passed to the trainer wins
+over all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import field
+
+from transformers import TrainingArguments
 
 from odc_hf.config import ODCConfig
 
 PREFIX = "odc_"
 
 
-def _odc_fields() -> list[tuple[str, type, dataclasses.Field]]:
-    doc = ODCConfig.__doc__ or ""
-    fields = []
-    for f in dataclasses.fields(ODCConfig):
-        marker = f"{f.name}:"
-        help_text = doc.split(marker, 1)[1].split("\n        ", 1)[0].strip() if marker in doc else f.name
-        fields.append((PREFIX + f.name, f"{f.type} | None",
-                       dataclasses.field(default=None, metadata={"help": f"ODC: {help_text} (default {f.default!r})"})))  # fmt: skip
-    return fields
+@dataclasses.dataclass
+class ODCArguments:
+    """The ``odc_*`` fields, mixed into an arguments dataclass; each ``None`` = not set (see the module docstring)."""
+
+    odc_enabled: bool | None = field(default=None, metadata={"help": (
+        "ODC: use On-Demand Communication (one-sided gathers / scatter-accumulates, one synchronisation per "
+        "minibatch); false runs plain FSDP2 collectives on the same data path (default true)")})  # fmt: skip
+    odc_balance: str | None = field(default=None, metadata={"help": (
+        "ODC: how each global minibatch is split over ranks: lb_mini (equal estimated compute, any number of "
+        "microbatches per rank; needs ODC), lb_micro (equal microbatch counts) or none (default lb_mini)")})  # fmt: skip
+    odc_cost_model: str | None = field(default=None, metadata={"help": (
+        "ODC: how a sample's compute is estimated from its length: flop, tokens, or a calibration .json "
+        "(default flop)")})  # fmt: skip
+    odc_max_tokens_per_microbatch: int | None = field(default=None, metadata={"help": (
+        "ODC: token budget of one microbatch (the memory bound); unset: the smallest budget that holds the "
+        "worst-case microbatch of the trainer's layout (docs/configuration.md)")})  # fmt: skip
+    odc_truncate: bool | None = field(default=None, metadata={"help": (
+        "ODC: cut samples longer than the budget instead of raising (default false)")})  # fmt: skip
+    odc_timeout_s: float | None = field(default=None, metadata={"help": (
+        "ODC: seconds a rank waits for its peers at the minibatch barrier before an error naming them "
+        "(default 600)")})  # fmt: skip
+    odc_shm_dir: str | None = field(default=None, metadata={"help": (
+        "ODC: directory of the shared-memory files (default /dev/shm, or the temp directory when it is too small)")})  # fmt: skip
+    odc_log_timeline: bool | None = field(default=None, metadata={"help": (
+        "ODC: write odc_timeline.png (per-rank busy/idle per step) to the output directory (default true)")})  # fmt: skip
+    odc_attention_shape_bucket: int | None = field(default=None, metadata={"help": (
+        "ODC: for attn_implementation=sdpa_varlen, pad each document's attention inputs to a multiple of this many "
+        "tokens so cuDNN plans few shapes; 0: exact shapes (default 1024)")})  # fmt: skip
+    odc_attention_varlen_kernel: bool | None = field(default=None, metadata={"help": (
+        "ODC: for attn_implementation=sdpa_varlen on CUDA, one flash-varlen call per layer instead of one SDPA "
+        "call per document (default false)")})  # fmt: skip
+    odc_activation_checkpointing: str | None = field(default=None, metadata={"help": (
+        "ODC: which decoder layers recompute activations in backward: auto (the least recomputation whose predicted "
+        "peak memory fits the GPU at the token budget; none on CPU), full, none, or a fraction such as 0.5 "
+        "(default auto)")})  # fmt: skip
+    odc_device_memory_gib: float | None = field(default=None, metadata={"help": (
+        "ODC: the device memory activation_checkpointing=auto plans against, in GiB (default: the GPU's total)")})  # fmt: skip
+    odc_kernels: str | None = field(default=None, metadata={"help": (
+        "ODC: Liger's Triton layer kernels: auto (when liger-kernel is installed and training runs on CUDA), "
+        "liger (required), none (default auto)")})  # fmt: skip
+
+
+@dataclasses.dataclass
+class ODCTrainingArguments(ODCArguments, TrainingArguments):
+    """``transformers.TrainingArguments`` plus the ``odc_*`` fields of :class:`ODCArguments`."""
 
 
 def make_odc_arguments(args_cls: type) -> type:
-    """``TrainingArguments`` (or ``SFTConfig``, ...) plus ``odc_<field>`` for every ODCConfig field."""
-    cls = dataclasses.make_dataclass(f"ODC{args_cls.__name__}", _odc_fields(), bases=(args_cls,))
-    cls.__module__ = __name__
+    """``args_cls`` (any arguments dataclass) plus the ``odc_*`` fields of :class:`ODCArguments`."""
+    cls = dataclasses.dataclass(type(f"ODC{args_cls.__name__}", (ODCArguments, args_cls), {"__module__": __name__}))
+    cls.__doc__ = f"``{args_cls.__name__}`` plus the ``odc_*`` fields of ``ODCArguments``."
     return cls
 
 
@@ -39,16 +80,4 @@ def odc_config_from_args(args, environ=None) -> ODCConfig:
     return ODCConfig.from_env(environ, **overrides)
 
 
-def __getattr__(name):
-    if name == "ODCTrainingArguments":
-        from transformers import TrainingArguments
-
-        cls = make_odc_arguments(TrainingArguments)
-    elif name == "ODCSFTConfig":
-        from trl import SFTConfig
-
-        cls = make_odc_arguments(SFTConfig)
-    else:
-        raise AttributeError(name)
-    globals()[name] = cls
-    return cls
+__all__ = ["ODCArguments", "ODCTrainingArguments", "make_odc_arguments", "odc_config_from_args"]

@@ -3,13 +3,14 @@
 Each rank measures, per optimizer step, its *busy* time (forward/backward of its microbatches, until its
 device is idle) and its *wait* time (inside the minibatch barrier, i.e. idle because a peer is still busy).
 The numbers of all ranks are gathered once per step. Bubble rate = 1 - mean(busy) / step time, with step
-time = max over ranks of busy + wait (WORKLOADS.md's definition).
+time = max over ranks of busy + wait (docs/design.md's definition).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -34,6 +35,45 @@ class DeviceClock:
 
     def seconds(self, start, end) -> float:
         return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+def document_lengths(microbatch: Mapping) -> list[int]:
+    """Token counts of the documents packed in a collated microbatch.
+
+    [] (not timed) for an empty dummy microbatch and for batches that are not packed rows (no ``cu_seq_lens_q``,
+    e.g. GRPO's padded microbatches), whose cost is not a sum over documents.
+    """
+    if microbatch.get("num_label_tokens", 1) == 0 and microbatch["input_ids"].numel() <= 1:
+        return []
+    bounds = microbatch.get("cu_seq_lens_q")
+    if bounds is None:
+        return []
+    offsets = [int(x) for x in bounds.tolist()]
+    return [b - a for a, b in zip(offsets, offsets[1:]) if b > a]
+
+
+class MicrobatchClock:
+    """Forward+backward time of each microbatch, on the device's timeline (read after the step's sync).
+
+    Under ODC a rank never waits for a peer inside a minibatch, so these are the microbatches' own costs.
+    """
+
+    def __init__(self, device: torch.device):
+        self.clock = DeviceClock(device)
+        self.marks = [self.clock.mark()]
+        self.docs: list[list[int]] = []
+
+    def lap(self, docs: list[int]) -> None:
+        self.marks.append(self.clock.mark())
+        self.docs.append(docs)
+
+    def laps(self) -> list[tuple[list[int], float]]:
+        """(document lengths, seconds) per real microbatch; call after the device is synchronised."""
+        return [
+            (docs, self.clock.seconds(a, b))
+            for docs, a, b in zip(self.docs, self.marks, self.marks[1:])
+            if docs
+        ]
 
 
 @dataclasses.dataclass

@@ -1,11 +1,12 @@
 """ODC in the transformers Trainer: one bundle of microbatches per rank per optimizer step.
 
 The Trainer ties microbatches per step to ``gradient_accumulation_steps``; ODC needs each rank to run its own
-number. So (DESIGN.md §5): the Trainer runs with gradient accumulation 1, and each "batch" it sees is a
-:class:`Bundle`, this rank's list of packed microbatches for one optimizer step, planned by
-:class:`~odc_hf.balance.ODCBatchSampler`; ``training_step`` loops over it. Everything the Trainer does once
-per step (token counting, clipping, optimizer step, logging, saving) stays matched across ranks. The user's
-``per_device_train_batch_size x gradient_accumulation_steps x world size`` is the global minibatch.
+number. So (docs/design.md, "One bundle per optimizer step"): the Trainer runs with gradient accumulation 1, and
+each "batch" it sees is a :class:`~odc_hf.integrations.bundle.Bundle`, this rank's list of packed microbatches for
+one optimizer step, planned by :class:`~odc_hf.balance.ODCBatchSampler`; ``training_step`` loops over it.
+Everything the Trainer does once per step (token counting, clipping, optimizer step, logging, saving) stays matched
+across ranks. The user's ``per_device_train_batch_size x gradient_accumulation_steps x world size`` is the global
+minibatch.
 
 Losses are normalised by the GLOBAL number of label tokens of the minibatch (one all-reduce per step),
 so ranks running different numbers of microbatches do not reweight samples.
@@ -18,7 +19,6 @@ import copy
 import json
 import logging
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -27,17 +27,14 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 import odc_hf.attention  # registers attn_implementation="sdpa_varlen"; warm_up
-from odc_hf.balance import (
-    BundleCollator,
-    BundleDataset,
-    FlopCostModel,
-    ODCBatchSampler,
-    QuadraticCostModel,
-    TokenCostModel,
-)
+from odc_hf.balance import FlopCostModel, ODCBatchSampler, QuadraticCostModel, TokenCostModel
 from odc_hf.config import ODCConfig
-from odc_hf.integrations.accelerator import adopt, destroy_gloo_group_at_exit
-from odc_hf.integrations.stats import DeviceClock, RunStats, StepStats, plot_timeline
+from odc_hf.fsdp import is_sharded
+from odc_hf.integrations.accelerator import adopt
+from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
+from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
+from odc_hf.integrations.stats import MicrobatchClock, RunStats, StepStats, document_lengths, plot_timeline
+from odc_hf.integrations import compute_path
 
 logger = logging.getLogger(__name__)
 
@@ -50,54 +47,6 @@ def attention_dtype(mixed_precision: str | None, param_dtype: torch.dtype | None
     if dtype is None and param_dtype in (torch.float16, torch.bfloat16):
         dtype = param_dtype
     return dtype
-
-
-class Bundle(Mapping):
-    """This rank's microbatches for one optimizer step.
-
-    As a Mapping it shows each key concatenated over the microbatches, which is what the Trainer's once-per-step
-    helpers read (token counting, FLOP estimate); ``training_step`` iterates ``microbatches``.
-    """
-
-    def __init__(self, microbatches: list[dict]):
-        self.microbatches = microbatches
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        parts = [mb[key] for mb in self.microbatches if isinstance(mb.get(key), torch.Tensor)]
-        if not parts:
-            if key == "input_ids":
-                return torch.zeros((1, 0), dtype=torch.long)
-            raise KeyError(key)
-        return torch.cat(parts, dim=-1)
-
-    def __iter__(self):
-        keys = self.microbatches[0].keys() if self.microbatches else ("input_ids",)
-        return iter(
-            [k for k in keys if k == "input_ids" or isinstance(self.microbatches[0].get(k), torch.Tensor)]
-        )
-
-    def __len__(self) -> int:
-        return len(list(iter(self)))
-
-    @property
-    def label_tokens(self) -> int:
-        return sum(int(mb["num_label_tokens"]) for mb in self.microbatches)
-
-    @property
-    def input_tokens(self) -> int:
-        return sum(int(mb["input_ids"].numel()) for mb in self.microbatches)
-
-
-class _BundleCollator(BundleCollator):
-    def __call__(self, bundle):
-        return Bundle(super().__call__(bundle))
-
-
-class BundleLoader(DataLoader):
-    """DataLoader over bundles; ``set_epoch`` reaches the sampler (the Trainer calls it each epoch)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
 
 
 class _LocalGathers:
@@ -139,6 +88,10 @@ class _ODCCallback(TrainerCallback):
 class ODCMixin:
     """Mix into a ``transformers.Trainer`` subclass: ``make_odc_trainer(SFTTrainer)`` or ``ODCTrainer``."""
 
+    odc_compute_path = False
+    """Whether odc_hf sets up the microbatch compute path (kernels, fused loss, activation checkpointing; see
+    ``compute_path``). ``make_odc_trainer`` classes do; GRPO keeps TRL's own."""
+
     def __init__(self, *args, odc_config: ODCConfig | None = None, **kwargs):
         if odc_config is None:  # trainer arguments' odc_* fields, then ODC_* variables, then defaults
             from odc_hf.integrations.arguments import odc_config_from_args
@@ -149,8 +102,24 @@ class ODCMixin:
         self.odc_stats = RunStats()
         self.odc_microbatch_timings: list[tuple[list[int], float]] = []
         self.odc_attention_warm_up: dict | None = None  # {"shapes", "seconds", "dtype"} once warm_up ran
+        self.odc_compute: compute_path.ComputePath | None = None
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
+        if self.odc_compute_path:
+            self.odc_compute = compute_path.setup(self)
+
+    def odc_base_fused_head(self) -> bool:
+        """Hook: True where the base trainer's ``compute_loss`` runs TRL's fused LM head itself (SFTTrainer)."""
+        return False
+
+    def odc_base_loss_is_plain(self) -> bool:
+        """Whether the trainer below the mixin computes the loss as ``transformers.Trainer`` does (the model's own)."""
+        return getattr(super().compute_loss, "__func__", None) is Trainer.compute_loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.odc_compute is not None and self.odc_compute.fused_by_odc and model.training and not return_outputs:
+            return compute_path.fused_head_loss(model, inputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     # -- setup -------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
@@ -179,6 +148,7 @@ class ODCMixin:
         if choice == "tokens":
             return TokenCostModel()
         data = json.loads(Path(choice).read_text())
+        compute_path.check_recorded(data, getattr(self, "odc_compute", None), choice)
         if all(k in data for k in "abc"):
             return QuadraticCostModel.from_dict(data)
         if "lengths" in data and "seconds" in data:  # raw timings: fit them
@@ -202,8 +172,12 @@ class ODCMixin:
         if "input_ids" not in getattr(dataset, "column_names", ["input_ids"]):
             raise ValueError("odc_hf needs a tokenized dataset with an 'input_ids' column")
         lengths = [len(ids) for ids in dataset["input_ids"]]
+        # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
+        # layout, one packed row (docs/configuration.md), i.e. the longest sample. The sampler checks the data.
         budget = self.odc_config.max_tokens_per_microbatch or max(lengths)
         self._odc_check_attention(budget)
+        if self.odc_compute is not None:
+            compute_path.plan(self, budget)  # activation checkpointing for this budget, before prepare()
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         sampler = ODCBatchSampler(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_minibatch_per_rank * world,
@@ -212,8 +186,8 @@ class ODCMixin:
             truncate=self.odc_config.truncate,
         )  # fmt: skip
         pad = getattr(self.processing_class, "pad_token_id", None)
-        collator = _BundleCollator(max_tokens_per_microbatch=budget, truncate=self.odc_config.truncate,
-                                   pad_token_id=pad if pad is not None else 0, mask_keys=self.odc_mask_keys())  # fmt: skip
+        collator = TrainerBundleCollator(max_tokens_per_microbatch=budget, truncate=self.odc_config.truncate,
+                                         pad_token_id=pad if pad is not None else 0, mask_keys=self.odc_mask_keys())  # fmt: skip
         self.odc_sampler = sampler
         # No pin_memory: torch's pinning rebuilds Mapping batches as their type from a dict, which a Bundle is
         # not; training_step copies each microbatch to the device itself.
@@ -221,15 +195,21 @@ class ODCMixin:
                             num_workers=self.args.dataloader_num_workers)  # fmt: skip
 
     def _odc_check_attention(self, budget: int) -> None:
-        """Packed rows under "sdpa"/"eager" attention are slow: say so once, with the fix. Under "sdpa_varlen"
-        on a GPU, plan the attention shapes of every length up to the token budget now (odc_hf.attention.warm_up)."""
+        """Packed rows under "sdpa"/"eager" attention are slow: say so once, with the fix. Under "sdpa_varlen", use
+        the setting ODCConfig names (attention_shape_bucket, attention_varlen_kernel) and, on a GPU, plan the
+        attention shapes of every length up to the token budget now (odc_hf.attention.warm_up)."""
         model = self.accelerator.unwrap_model(self.model)
         config = getattr(model, "config", None)
         implementation = getattr(config, "_attn_implementation", None)
+        varlen = odc_hf.attention.attention_of(model)
+        wanted = odc_hf.attention.VarlenAttention(shape_bucket=self.odc_config.attention_shape_bucket,
+                                                  varlen_kernel=self.odc_config.attention_varlen_kernel)  # fmt: skip
+        if varlen is not None and varlen != wanted:
+            model.set_attn_implementation(odc_hf.attention.register(wanted))
+            logger.info("odc_hf: attention %s (from ODCConfig)", wanted)
         param = next(model.parameters(), None)
         dtype = attention_dtype(self.accelerator.mixed_precision, param.dtype if param is not None else None)
-        if (implementation == odc_hf.attention.VARLEN_ATTENTION and self.accelerator.device.type == "cuda"
-                and dtype is not None):  # fmt: skip
+        if varlen is not None and self.accelerator.device.type == "cuda" and dtype is not None:
             start = time.perf_counter()
             shapes = odc_hf.attention.warm_up(model, budget, dtype=dtype, device=self.accelerator.device)
             seconds = time.perf_counter() - start
@@ -246,8 +226,6 @@ class ODCMixin:
 
     def odc_mask_keys(self) -> tuple[str, ...]:
         """Example columns whose zeros mask labels (TRL's trainer narrows this to what its settings enable)."""
-        from odc_hf.balance.collator import MASK_KEYS
-
         return MASK_KEYS
 
     # -- one optimizer step ------------------------------------------------------------------------
@@ -273,9 +251,10 @@ class ODCMixin:
         real_accelerator = self.accelerator
         self.accelerator = _LocalGathers(real_accelerator)
         guard = self.odc.failure_guard() if self.odc is not None else contextlib.nullcontext()
-        clock = _MicrobatchClock(device) if self._odc_time_microbatches() else None
+        clock = MicrobatchClock(device) if self._odc_time_microbatches() else None
         try:
-            with guard:  # a rank that raises tells its peers at once instead of leaving them to time out
+            # a rank that raises tells its peers at once instead of leaving them to time out; an OOM names the plan
+            with guard, compute_path.oom_guard(self.odc_compute):
                 for microbatch in inputs.microbatches:
                     batch = send_to_device(
                         {k: v for k, v in microbatch.items() if k != "num_label_tokens"}, device
@@ -285,7 +264,7 @@ class ODCMixin:
                     real_accelerator.backward(loss)
                     loss_sum += loss.detach()
                     if clock is not None:
-                        clock.lap(_document_lengths(microbatch))
+                        clock.lap(document_lengths(microbatch))
         finally:
             self.accelerator = real_accelerator
         if device.type == "cuda":
@@ -350,9 +329,7 @@ class ODCMixin:
     def _odc_self_sharded(self) -> bool:
         from accelerate.utils import DistributedType
 
-        from odc_hf.integrations.accelerator import _is_sharded
-
-        return self.accelerator.distributed_type != DistributedType.FSDP and _is_sharded(self.model)
+        return self.accelerator.distributed_type != DistributedType.FSDP and is_sharded(self.model)
 
     # Private Trainer methods, overridden for the CPU path only (see odc_hf/integrations/checkpoint.py).
     def _save_optimizer_and_scheduler(self, output_dir):
@@ -407,6 +384,8 @@ class ODCMixin:
             "device": str(self.accelerator.device),
             "warmup_steps_skipped": self.ODC_TIMING_WARMUP_STEPS,
         }
+        if self.odc_compute is not None:  # costs per token depend on the kernels and checkpointing
+            payload["compute_path"] = self.odc_compute.describe()
         try:
             fitted = QuadraticCostModel.fit_microbatches(payload["microbatches"], payload["seconds"])
             payload.update(fitted.to_dict())
@@ -429,48 +408,10 @@ class ODCMixin:
             logger.info("odc_hf: timeline written to %s", path)
 
 
-def _document_lengths(microbatch: Mapping) -> list[int]:
-    """Token counts of the documents packed in a collated microbatch.
-
-    [] (not timed) for an empty dummy microbatch and for batches that are not packed rows (no ``cu_seq_lens_q``,
-    e.g. GRPO's padded microbatches), whose cost is not a sum over documents.
-    """
-    if microbatch.get("num_label_tokens", 1) == 0 and microbatch["input_ids"].numel() <= 1:
-        return []
-    bounds = microbatch.get("cu_seq_lens_q")
-    if bounds is None:
-        return []
-    offsets = [int(x) for x in bounds.tolist()]
-    return [b - a for a, b in zip(offsets, offsets[1:]) if b > a]
-
-
-class _MicrobatchClock:
-    """Forward+backward time of each microbatch, on the device's timeline (read after the step's sync).
-
-    Under ODC a rank never waits for a peer inside a minibatch, so these are the microbatches' own costs.
-    """
-
-    def __init__(self, device: torch.device):
-        self.clock = DeviceClock(device)
-        self.marks = [self.clock.mark()]
-        self.docs: list[list[int]] = []
-
-    def lap(self, docs: list[int]) -> None:
-        self.marks.append(self.clock.mark())
-        self.docs.append(docs)
-
-    def laps(self) -> list[tuple[list[int], float]]:
-        """(document lengths, seconds) per real microbatch; call after the device is synchronised."""
-        return [
-            (docs, self.clock.seconds(a, b))
-            for docs, a, b in zip(self.docs, self.marks, self.marks[1:])
-            if docs
-        ]
-
-
 def make_odc_trainer(trainer_cls: type[Trainer]) -> type[Trainer]:
     """``ODCX = make_odc_trainer(X)`` for any Trainer subclass X (TRL's SFTTrainer, your own, ...)."""
-    return type(f"ODC{trainer_cls.__name__}", (ODCMixin, trainer_cls), {"__module__": __name__})
+    return type(f"ODC{trainer_cls.__name__}", (ODCMixin, trainer_cls),
+                {"__module__": __name__, "odc_compute_path": True})  # fmt: skip
 
 
 ODCTrainer = make_odc_trainer(Trainer)

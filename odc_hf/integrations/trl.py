@@ -3,8 +3,8 @@
 TRL's ``SFTTrainer.compute_loss`` gathers its metrics (entropy, token accuracy, token count) once per
 microbatch; under ODC ranks run different numbers of microbatches, so the trainer keeps those gathers local
 inside the bundle loop (see ``_LocalGathers``) and aggregates here, once per step, with one all-reduce.
-That reads two private TRL attributes (``_metrics``, ``_total_train_tokens``): they are checked at start-up
-against the TRL versions this was written for.
+That reads two private TRL attributes (``_metrics``, ``_total_train_tokens``): they, and the TRL version, are checked
+at start-up by :func:`check_trl` (the one TRL version policy, used by the GRPO trainer too).
 """
 
 from __future__ import annotations
@@ -12,24 +12,34 @@ from __future__ import annotations
 import torch
 from packaging.version import Version
 
-from odc_hf.integrations.trainer import ODCMixin, make_odc_trainer
+from odc_hf.integrations.trainer import make_odc_trainer
 
+# The one TRL version policy of odc_hf: its TRL trainers run only on the TRL minor versions they were tested on.
+# Both read private TRL names (SFT: ``_metrics`` and ``_total_train_tokens``, re-aggregated once per step; GRPO:
+# ``_generate_and_score_completions``, ``_get_train_sampler``, ``_metrics`` and the batch keys and loss normalisers of
+# ``_compute_loss``). A name that disappears can be detected, one whose meaning changes cannot: it would give wrong
+# losses or metrics without an error. So another minor is refused with a message saying what to install; add it
+# here once tests/test_grpo_trl_surface.py and the parity tests (tests/test_*parity.py) pass on it.
 TESTED_TRL = ("1.16",)
 _AVERAGED = ("entropy", "mean_token_accuracy", "aux_loss")
 
 
-def _check_trl(trainer) -> None:
+def check_trl(trainer, trainer_name: str, *, methods=(), attributes=()) -> None:
+    """Refuse a TRL outside :data:`TESTED_TRL`, or a trainer lacking the private ``methods`` / ``attributes`` odc_hf
+    reads, with a message saying what to install."""
     import trl
 
-    if Version(trl.__version__) < Version("1.0"):
+    version = Version(trl.__version__)
+    if f"{version.major}.{version.minor}" not in TESTED_TRL:
         raise RuntimeError(
-            f"odc_hf's TRL integration needs trl >= 1.0 (tested on {TESTED_TRL}); found {trl.__version__}"
+            f"{trainer_name} reads private parts of TRL's trainers and was written for trl {TESTED_TRL}; found trl "
+            f"{trl.__version__}. Install trl=={TESTED_TRL[-1]}.* (or test odc_hf on this TRL and add it to "
+            "TESTED_TRL in odc_hf/integrations/trl.py)"
         )
-    missing = [name for name in ("_metrics", "_total_train_tokens") if not hasattr(trainer, name)]
+    missing = [n for n in methods if not callable(getattr(trainer, n, None))]
+    missing += [n for n in attributes if not hasattr(trainer, n)]
     if missing:
-        raise RuntimeError(
-            f"trl {trl.__version__}: SFTTrainer lacks {missing}; odc_hf was tested on trl {TESTED_TRL}"
-        )
+        raise RuntimeError(f"trl {trl.__version__}: {trainer_name} lacks {missing}; odc_hf was tested on trl {TESTED_TRL}")
 
 
 class _SFTMetrics:
@@ -66,12 +76,15 @@ def make_odc_sft_trainer(sft_cls):
     class ODCSFT(_SFTMetrics, base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            _check_trl(self)
+            check_trl(self, "ODCSFTTrainer", attributes=("_metrics", "_total_train_tokens"))
             if getattr(self.args, "packing", False):
                 raise ValueError(
                     "odc_hf packs each microbatch itself (padding-free, per-document position_ids, planned by "
                     "the load balancer); set packing=False in SFTConfig"
                 )
+
+        def odc_base_fused_head(self) -> bool:  # SFTTrainer.compute_loss runs TRL's fused LM head
+            return True
 
         def odc_mask_keys(self) -> tuple[str, ...]:
             keys = []
@@ -124,4 +137,4 @@ def patch_trl() -> None:
     _PATCHED = True
 
 
-__all__ = ["ODCMixin", "make_odc_sft_trainer", "patch_trl"]  # and ODCSFTTrainer, built on first access
+__all__ = ["TESTED_TRL", "check_trl", "make_odc_sft_trainer", "patch_trl"]  # and ODCSFTTrainer, built on first access

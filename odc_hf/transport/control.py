@@ -78,11 +78,13 @@ class HostControl:
         check_single_node(group)
         nbytes = self.world_size * _RECORD
         box: list = [None]
+        own = None
         if self.rank == 0:
             directory = shm_files.pick_dir(nbytes, shm_dir)
             shm_files.sweep_stale(directory)
             job = shm_files.new_job_id()
-            box = [(job, str(shm_files.create(directory, job, "control", nbytes)))]
+            own = shm_files.create(directory, job, "control", nbytes)
+            box = [(job, str(own.path))]
         dist.broadcast_object_list(box, group=group, group_src=0)
         self.job, path = box[0]
         self._buffer = shm_files.map_file(path, nbytes)
@@ -94,8 +96,8 @@ class HostControl:
         self._raw = raw.reshape(self.world_size, _RECORD)
         self._ints[self.rank, _PID] = os.getpid()
         dist.barrier(group=group)
-        if self.rank == 0:
-            shm_files.unlink_quietly(path)
+        if own is not None:
+            own.release()
         self.pids = [int(p) for p in self._ints[:, _PID]]
         # Ranks in other pid namespaces (containers) are invisible; then rely on the timeout alone.
         self._check_pids = all(shm_files.pid_alive(p) for p in self.pids)

@@ -3,7 +3,7 @@
 * Each unit gets one symmetric-memory buffer per rank (staging in the parameter dtype, then an fp32
   accumulator); after the collective ``rendezvous`` every rank holds views of every peer's buffer.
 * **gather**: ``copy_`` from a peer's staging view is a device-to-device ``cudaMemcpyAsync`` that the copy
-  engine executes over NVLink, leaving the SMs to compute (DESIGN.md §2: 379 GB/s, faster than NCCL's
+  engine executes over NVLink, leaving the SMs to compute (docs/design.md, measurements: 379 GB/s, faster than NCCL's
   all-gather at the same size). It is enqueued on the caller's current stream; FSDP calls us on its own
   all-gather stream, so the reads overlap compute.
 * **scatter-accumulate**: a Triton kernel loads this rank's row for a peer, casts it to fp32 and adds it with
@@ -77,7 +77,11 @@ def _accumulate_kernel():
 
 
 def _max_ctas() -> int | None:
-    """``ODC_ACCUMULATE_MAX_CTAS``: cap on the accumulate kernel's grid (unset: one CTA per block of the buffer)."""
+    """``ODC_ACCUMULATE_MAX_CTAS``: cap on the accumulate kernel's grid (unset: one CTA per block of the buffer).
+
+    Environment only, on purpose: a kernel-tuning knob of this transport (the transport layer knows nothing of
+    ``ODCConfig``), read at each launch so a probe can compare caps in one process (benchmarks/microbatch_probe.py).
+    Measured there on 2xH200: a 32-CTA cap gave no gain, so the default is uncapped; see docs/configuration.md."""
     value = os.environ.get("ODC_ACCUMULATE_MAX_CTAS", "").strip()
     if not value:
         return None

@@ -68,9 +68,9 @@ class ShmTransport(Transport):
         specs: list = [None] * self.world_size
         nbytes = _Unit.nbytes(spec, self.world_size)
         directory = shm_files.pick_dir(nbytes, self.shm_dir)
-        path = shm_files.create(directory, self.control.job, f"unit{len(self._units)}", nbytes)
+        own = shm_files.create(directory, self.control.job, f"unit{len(self._units)}", nbytes)
         try:
-            dist.all_gather_object(specs, (spec, str(path)), group=self.group)
+            dist.all_gather_object(specs, (spec, str(own.path)), group=self.group)
             mismatched = [r for r, (s, _) in enumerate(specs) if s != spec]
             if mismatched:
                 raise ValueError(
@@ -80,7 +80,7 @@ class ShmTransport(Transport):
             mappings = [shm_files.map_file(p, nbytes) for _, p in specs]
             dist.barrier(group=self.group)  # everyone has mapped every file
         finally:
-            shm_files.unlink_quietly(path)
+            own.release()
         self._units.append(_Unit(spec, self.world_size, mappings))
         return len(self._units) - 1
 

@@ -1,9 +1,11 @@
-"""Turn a bundle of dataset indices into packed, padding-free microbatches.
+"""A rank's bundle for one optimizer step: from dataset indices to packed, padding-free microbatches.
 
-    loader = DataLoader(BundleDataset(ds), sampler=ODCBatchSampler(...), batch_size=None,
-                        collate_fn=BundleCollator(max_tokens_per_microbatch=..., pad_token_id=tok.pad_token_id))
+    loader = BundleLoader(BundleDataset(ds), batch_sampler=ODCBatchSampler(...),
+                          collate_fn=BundleCollator(max_tokens_per_microbatch=..., pad_token_id=tok.pad_token_id))
 
-yields, per optimizer step, a ``list[dict]``: one dict per microbatch of this rank (possibly none).
+yields, per optimizer step, this rank's microbatches (possibly none): ``ODCBatchSampler`` (``odc_hf.balance``) plans
+the indices, :class:`BundleDataset` fetches the examples, :class:`BundleCollator` packs each microbatch into one row.
+:class:`Bundle` is how the trainer holds them (``TrainerBundleCollator`` makes one).
 
 Packing is TRL's ``DataCollatorForLanguageModeling(padding_free=True)``, the collator ``SFTTrainer``
 itself uses: documents concatenated into one row, ``position_ids`` restarting at 0 per document, no
@@ -21,8 +23,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
-__all__ = ["BundleCollator", "BundleDataset", "MASK_KEYS"]
+__all__ = ["MASK_KEYS", "Bundle", "BundleCollator", "BundleDataset", "BundleLoader", "TrainerBundleCollator"]
 
 MASK_KEYS = ("completion_mask", "assistant_masks")
 """Optional per-token 0/1 columns; tokens where any of them is 0 get label -100."""
@@ -64,7 +67,8 @@ class BundleCollator:
 
     Args:
         max_tokens_per_microbatch: if set, a packed microbatch longer than this raises ValueError
-            (the planner should have prevented it), unless ``truncate`` applies.
+            (the planner should have prevented it), unless ``truncate`` applies. Taken as given: the budget is
+            validated where it enters (``ODCConfig``, ``ODCBatchSampler``) and reaches the collator from there.
         truncate: cut every document to ``max_tokens_per_microbatch`` tokens (pairs with the sampler's
             ``truncate=True``).
         pad_token_id: token of dummy microbatches (never trained on).
@@ -80,8 +84,6 @@ class BundleCollator:
         pad_token_id: int = 0,
         mask_keys: Sequence[str] = MASK_KEYS,
     ):
-        if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
-            raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
         if truncate and max_tokens_per_microbatch is None:
             raise ValueError("truncate=True needs max_tokens_per_microbatch")
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
@@ -127,3 +129,53 @@ class BundleCollator:
 
     def __call__(self, bundle: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
         return [self.collate_microbatch(examples) for examples in bundle]
+
+
+class Bundle(Mapping):
+    """This rank's microbatches for one optimizer step.
+
+    As a Mapping it shows each key concatenated over the microbatches, which is what the Trainer's once-per-step
+    helpers read (token counting, FLOP estimate); ``training_step`` iterates ``microbatches``.
+    """
+
+    def __init__(self, microbatches: list[dict]):
+        self.microbatches = microbatches
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        parts = [mb[key] for mb in self.microbatches if isinstance(mb.get(key), torch.Tensor)]
+        if not parts:
+            if key == "input_ids":
+                return torch.zeros((1, 0), dtype=torch.long)
+            raise KeyError(key)
+        return torch.cat(parts, dim=-1)
+
+    def __iter__(self):
+        keys = self.microbatches[0].keys() if self.microbatches else ("input_ids",)
+        return iter(
+            [k for k in keys if k == "input_ids" or isinstance(self.microbatches[0].get(k), torch.Tensor)]
+        )
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+    @property
+    def label_tokens(self) -> int:
+        return sum(int(mb["num_label_tokens"]) for mb in self.microbatches)
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(int(mb["input_ids"].numel()) for mb in self.microbatches)
+
+
+class TrainerBundleCollator(BundleCollator):
+    """:class:`BundleCollator` whose bundles come out as :class:`Bundle` (what ``ODCMixin.training_step`` takes)."""
+
+    def __call__(self, bundle):
+        return Bundle(super().__call__(bundle))
+
+
+class BundleLoader(DataLoader):
+    """DataLoader over bundles; ``set_epoch`` reaches the sampler (the Trainer calls it each epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)

@@ -1,0 +1,170 @@
+"""The SFT step harness that benchmarks/sft_e2e.py and benchmarks/microbatch_probe.py share: the model config, the
+seeded sample tokens, the single-GPU cost calibration, the FSDP2 / ODC model, and one timed training step.
+
+``args`` is the benchmark's argparse namespace (``model``, ``max_tokens``, ``lr``, ``timeout``,
+``calibration_lengths``, ``calibration_repeats``).
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def model_config(args):
+    """Qwen2.5-shaped config (or odc_hf's tiny one for CPU runs) with per-document attention on packed rows."""
+    from odc_hf.attention import VARLEN_ATTENTION
+    from odc_hf.data import tiny_qwen2_config
+    from odc_hf.workloads import qwen2_5_config
+
+    max_positions = max(32768, args.max_tokens)
+    if args.model == "tiny":
+        config = tiny_qwen2_config(512, max_position_embeddings=max_positions)
+    else:
+        config = qwen2_5_config(args.model)
+        config.tie_word_embeddings, config.use_cache = True, False
+        config.max_position_embeddings = max_positions
+    config._attn_implementation = VARLEN_ATTENTION
+    return config
+
+
+def sample_ids(seed: int, step: int, index: int, length: int, vocab: int) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 10_007 + index)
+    return torch.randint(1, vocab, (int(length),), generator=g).tolist()
+
+
+def compute_path(model, kernels: str, checkpointed: int) -> None:
+    """A variant's compute path on a not yet sharded model: Liger kernels, TRL SFTTrainer's fused head, AC."""
+    from odc_hf.integrations import compute_path as cp
+
+    if kernels == "liger":
+        cp.apply_liger_kernels(model, fused_linear_cross_entropy=False)
+    cp.install_fused_head(model, outputs=cp.SFT_HEAD_OUTPUTS)
+    cp.enable_checkpointing(model, checkpointed)
+
+
+def calibrate_cost_model(rank, world_size, args, device, config, kernels="none", checkpointed=None):
+    """Fit a + b·s + c·s² to single-GPU fwd+bwd timings of an unsharded bf16 copy on a compute path (grid split over
+    ranks); ``checkpointed`` layers (default all: SFTConfig's full checkpointing)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import Qwen2ForCausalLM
+
+    from odc_hf.balance.cost import QuadraticCostModel
+    from odc_hf.calibrate import time_lengths
+
+    grid = sorted({min(s, args.max_tokens) for s in args.calibration_lengths})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    if device.type == "cuda":
+        model = model.to(torch.bfloat16)
+    compute_path(model, kernels, config.num_hidden_layers if checkpointed is None else checkpointed)
+    mine = grid[rank::world_size]
+    medians = (time_lengths(model, mine, repeats=args.calibration_repeats, forward_kwargs={"fused_lm_head": True})
+               if mine else [])  # fmt: skip
+    timings = list(zip(mine, medians))
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, timings)
+    points = sorted(p for part in gathered for p in part)
+    fitted = QuadraticCostModel.fit([p[0] for p in points], [p[1] for p in points])
+    return fitted, points
+
+
+def build_model(kind: str, config, device, args, kernels="none", checkpointing="full"):
+    """A sharded model on a compute path; ``checkpointing`` "full" (SFTConfig's default) or "auto" (odc_hf's).
+    Returns (model, optimizer, odc handle or None, checkpointed layers)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers import Qwen2ForCausalLM
+
+    from odc_hf.fsdp import install_odc, shard_model, sum_reduction
+    from odc_hf.integrations import compute_path as cp
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    checkpointed = config.num_hidden_layers
+    compute_path(model, kernels, checkpointed)
+    if checkpointing == "auto":  # what the ODC trainers do for the token budget (a collective: every rank runs it)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        path = cp.plan_checkpointing(cp.ComputePath(kernels=kernels, loss=cp.TRL_FUSED_HEAD), model, policy="auto",
+                                     tokens=args.max_tokens, device=device, compute_dtype=dtype,
+                                     world_size=torch.distributed.get_world_size(), odc=kind == "odc",
+                                     device_memory_gib=None)  # fmt: skip
+        checkpointed = path.checkpointed_layers
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda"
+        else None
+    )
+    shard_model(model, mp_policy=mp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    odc = None
+    if kind == "odc":
+        odc = install_odc(model, timeout_s=args.timeout)
+        odc.attach_optimizer(optimizer)
+    else:  # same loss semantics as ODC: gradients summed over ranks, the loss carries the global normaliser
+        sum_reduction(model)
+    return model, optimizer, odc, checkpointed
+
+
+def _retries(device) -> int:
+    import torch
+
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
+def run_step(model, optimizer, odc, microbatches, global_labels, device, clock) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from odc_hf import attention
+
+    cuda = device.type == "cuda"
+    batches = []
+    for mb in microbatches:
+        batches.append(
+            {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items() if k != "num_label_tokens"}
+        )
+    if cuda:
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    retries, calls = _retries(device), dict(attention.CALLS)
+    t0 = time.perf_counter()
+    start = clock.mark()
+    ends = []
+    for batch in batches:
+        out = model(**batch, fused_lm_head=True, num_items_in_batch=global_labels)
+        out.loss.backward()
+        ends.append(clock.mark())
+        del out
+    if odc is not None:
+        odc.finish_minibatch()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt_start = clock.mark()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    opt_end = clock.mark()
+    if cuda:
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    ends_s = [clock.seconds(start, e) for e in ends]
+    return {
+        "wall_s": wall,
+        "mb_end_s": ends_s,
+        "busy_s": ends_s[-1] if ends_s else 0.0,
+        "opt_s": clock.seconds(opt_start, opt_end),
+        "transient_bytes": (torch.cuda.max_memory_allocated(device) - base) if cuda else 0,
+        "reserved_bytes": torch.cuda.memory_reserved(device) if cuda else 0,
+        "alloc_retries": _retries(device) - retries,
+        "attention_calls": {k: v - calls.get(k, 0) for k, v in attention.CALLS.items()},
+    }

@@ -1,0 +1,306 @@
+"""Predict step times of ODC + LB-Mini and FSDP2 + LB-Micro on a cluster, from sample lengths (pure numpy).
+
+:func:`plan_steps` cuts the lengths into global minibatches (``per_rank`` samples per GPU, shuffled as
+:class:`~odc_hf.balance.sampler.ODCBatchSampler` does), plans each with LB-Mini and LB-Micro over ALL ranks
+(balancing is global), and keeps what the step-time model needs. :func:`step_times` then prices them on a
+:class:`~odc_hf.balance.cluster.Cluster`; planning is the slow part, so a bandwidth sweep plans once.
+
+Per step (``k`` = LB-Micro's microbatch index, ``c_k`` = its slowest rank's cost, see :mod:`.cluster`):
+
+- ``odc_hsdp``   = max over ranks of LB-Mini busy time + ONE all-reduce of the gradient shard + ODC's step overhead
+- ``fsdp2_hsdp`` = Σ_k (c_k + cross-replica all-reduces exposed) + FSDP2's step overhead (shards over S)
+- ``fsdp2_full`` = Σ_k (c_k + all-gathers / reduce-scatters exposed) + FSDP2's step overhead (shards over R·S)
+
+On one node the three reduce to ODC vs FSDP2 of the single-node simulator plus the step overheads. Cost
+models are in seconds: :func:`load_cost_model` reads the H200 calibration shipped in ``odc_hf/assets``
+(scaled to other shapes by FLOPs, :func:`scale_cost_model`) or a user's calibration JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from .cluster import (
+    Cluster,
+    ModelShape,
+    StepOverheads,
+    fsdp_full_exposed,
+    fsdp_hsdp_exposed,
+    odc_all_reduce_seconds,
+)
+from .cost import QuadraticCostModel
+from .planner import plan_lb_micro, plan_lb_mini
+
+__all__ = [
+    "CANDIDATES",
+    "PlannedStep",
+    "calibration_from_dict",
+    "flop_cost_model",
+    "h200_calibration",
+    "h200_overheads",
+    "load_cost_model",
+    "plan_steps",
+    "scale_cost_model",
+    "step_times",
+    "summarize",
+]
+
+CANDIDATES = ("fsdp2_full", "fsdp2_hsdp", "odc_hsdp")
+H200_ASSET = "h200_calibration_qwen2.5-1.5B.json"
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """One global minibatch, planned both ways (costs in the cost model's seconds)."""
+
+    odc_busy: np.ndarray  # LB-Mini: predicted compute per rank
+    fsdp_index_max: np.ndarray  # LB-Micro: per microbatch index, the slowest rank's cost
+    fsdp_busy: np.ndarray  # LB-Micro: predicted compute per rank
+    lower_bound: float  # no plan of these samples computes faster (planner's makespan bound)
+    tokens: int
+
+
+def plan_steps(
+    lengths,
+    world_size: int,
+    per_rank: int,
+    max_tokens: int,
+    cost_model,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+    max_steps: int | None = None,
+    progress: Callable | None = None,
+) -> list[PlannedStep]:
+    """Plan every full global minibatch of ``lengths`` (``world_size · per_rank`` samples, last partial one dropped).
+
+    Over-budget samples are clipped to ``max_tokens`` (the trainer needs ``truncate=True`` for them).
+    ``max_steps`` keeps the first steps only; ``progress`` wraps the step iterator (e.g. ``tqdm``).
+    """
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
+        raise ValueError("lengths must be a 1-D sequence of integer token counts")
+    for name, value in (("world_size", world_size), ("per_rank", per_rank), ("max_tokens", max_tokens)):
+        if int(value) != value or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    size = world_size * per_rank
+    num_steps = lengths.size // size
+    if num_steps == 0:
+        raise ValueError(
+            f"{lengths.size} samples do not fill one step of {world_size} GPUs x {per_rank} samples per GPU "
+            f"= {size}: use more samples, fewer GPUs or fewer samples per GPU"
+        )
+    if max_steps is not None:
+        num_steps = min(num_steps, int(max_steps))
+    order = np.random.default_rng([seed, 0]).permutation(lengths.size) if shuffle else np.arange(lengths.size)
+    clipped = np.minimum(lengths.astype(np.int64), max_tokens)
+    steps = []
+    indices = range(num_steps) if progress is None else progress(range(num_steps))
+    for step in indices:
+        batch = clipped[order[step * size : (step + 1) * size]]
+        mini = plan_lb_mini(batch, world_size, max_tokens, cost_model)
+        micro = plan_lb_micro(batch, world_size, max_tokens, cost_model)
+        width = max(len(c) for c in micro.microbatch_costs)
+        matrix = np.zeros((world_size, width))
+        for rank, costs in enumerate(micro.microbatch_costs):
+            matrix[rank, : len(costs)] = costs
+        steps.append(
+            PlannedStep(
+                odc_busy=mini.rank_busy,
+                fsdp_index_max=matrix.max(axis=0),
+                fsdp_busy=micro.rank_busy,
+                lower_bound=mini.lower_bound,
+                tokens=int(batch.sum()),
+            )
+        )
+    return steps
+
+
+def step_times(
+    steps: list[PlannedStep],
+    shape: ModelShape,
+    cluster: Cluster,
+    overheads: StepOverheads,
+    *,
+    forward_fraction: float = 0.25,
+) -> dict[str, dict[str, np.ndarray]]:
+    """Per candidate, per step: ``total``, ``compute`` (balance-bound part), ``comm`` (exposed), ``overhead``,
+    ``bubble`` (1 - mean busy / compute time); plus ``bound`` (lower bound + ODC's overhead).
+
+    The steps must have been planned for ``cluster.world_size`` ranks.
+    """
+    if not steps:
+        raise ValueError("no planned steps")
+    if steps[0].odc_busy.size != cluster.world_size:
+        raise ValueError(
+            f"steps were planned for {steps[0].odc_busy.size} ranks, the cluster has {cluster.world_size}"
+        )
+    S, N = cluster.gpus_per_node, cluster.world_size
+    odc_compute = np.array([s.odc_busy.max() for s in steps])
+    fsdp_compute = np.array([s.fsdp_index_max.sum() for s in steps])
+    comm_of = {"fsdp2_full": fsdp_full_exposed, "fsdp2_hsdp": fsdp_hsdp_exposed}
+    # every distinct microbatch time once: exposure is a pure function of it
+    flat = np.concatenate([s.fsdp_index_max for s in steps])
+    bounds = np.cumsum([0] + [s.fsdp_index_max.size for s in steps])
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for name, exposed in comm_of.items():
+        per_mb = exposed(flat, shape, cluster, forward_fraction=forward_fraction)
+        comm = np.array([per_mb[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])])
+        overhead = overheads.fsdp(shape, S if name == "fsdp2_hsdp" else N)
+        out[name] = _times(fsdp_compute, comm, overhead, [s.fsdp_busy.mean() for s in steps])
+    odc_comm = np.full(len(steps), odc_all_reduce_seconds(shape, cluster))
+    out["odc_hsdp"] = _times(
+        odc_compute, odc_comm, overheads.odc(shape, S), [s.odc_busy.mean() for s in steps]
+    )
+    out["bound"] = {"total": np.array([s.lower_bound for s in steps]) + overheads.odc(shape, S)}
+    return out
+
+
+def _times(compute, comm, overhead, busy_mean) -> dict[str, np.ndarray]:
+    compute = np.asarray(compute, dtype=np.float64)
+    bubble = np.where(compute > 0, 1.0 - np.asarray(busy_mean) / np.where(compute > 0, compute, 1.0), 0.0)
+    over = np.full_like(compute, overhead)
+    return {
+        "total": compute + comm + over,
+        "compute": compute,
+        "comm": comm,
+        "overhead": over,
+        "bubble": bubble,
+    }
+
+
+def summarize(times: dict[str, dict[str, np.ndarray]]) -> dict:
+    """Mean step seconds per candidate and part, median bubble, and ODC-HSDP's speedups over both FSDP2 layouts.
+
+    ``speedup_vs_*`` = ratio of summed step times (throughput over the steps); ``*_median`` = median of the
+    per-step ratios.
+    """
+    summary: dict = {
+        "steps": int(times["odc_hsdp"]["total"].size),
+        "bound_s": float(times["bound"]["total"].mean()),
+    }
+    for name in CANDIDATES:
+        parts = times[name]
+        summary[name] = {f"{k}_s": float(parts[k].mean()) for k in ("total", "compute", "comm", "overhead")}
+        summary[name]["bubble"] = float(np.median(parts["bubble"]))
+    odc = times["odc_hsdp"]["total"]
+    for base in ("fsdp2_full", "fsdp2_hsdp"):
+        summary[f"speedup_vs_{base}"] = float(times[base]["total"].sum() / odc.sum())
+        summary[f"speedup_vs_{base}_median"] = float(np.median(times[base]["total"] / odc))
+    return summary
+
+
+# ---- cost models in seconds ---------------------------------------------------------------------------------
+
+
+def h200_calibration() -> dict:
+    """The measured H200 calibration shipped with odc_hf (Qwen2.5-1.5B shape): timings, provenance, overheads."""
+    return json.loads(resources.files("odc_hf").joinpath("assets", H200_ASSET).read_text())
+
+
+def calibration_from_dict(data: dict, *, where: str = "cost model") -> QuadraticCostModel:
+    """The JSON forms ``ODCConfig.cost_model`` accepts: ``a, b, c[, floor]``; ``lengths`` + ``seconds``;
+    ``microbatches`` + ``seconds`` (a run's ``odc_microbatch_timings.json``)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    if all(k in data for k in "abc"):
+        return QuadraticCostModel.from_dict(data)
+    if "lengths" in data and "seconds" in data:
+        return QuadraticCostModel.fit(data["lengths"], data["seconds"])
+    if "microbatches" in data and "seconds" in data:
+        return QuadraticCostModel.fit_microbatches(data["microbatches"], data["seconds"])
+    raise ValueError(
+        f"{where}: expected a JSON object with a, b, c and optionally floor (or lengths and seconds, or "
+        f"microbatches and seconds, to fit); got keys {sorted(data)}"
+    )
+
+
+def scale_cost_model(
+    model: QuadraticCostModel, reference: ModelShape, target: ModelShape
+) -> QuadraticCostModel:
+    """A calibration measured on ``reference`` carried to ``target`` by the FLOP model's ratios.
+
+    ``b`` (seconds per token) scales with the matmul parameters N, ``c`` (per token²) with layers x heads x
+    head_dim, ``a`` and ``floor`` (launch-bound host time: kernels per layer) with the number of layers. Same
+    device, same kernels, same efficiency: larger matmuls usually run at a higher fraction of peak (7B vs 1.5B
+    on one H200: 59 % vs 52 % MFU), so for larger models this over-estimates compute by about that ratio.
+    """
+    layers = target.num_layers / reference.num_layers
+    return QuadraticCostModel(
+        a=model.a * layers,
+        b=model.b * target.num_matmul_params / reference.num_matmul_params,
+        c=model.c * (target.num_layers * target.attn_dim) / (reference.num_layers * reference.attn_dim),
+        floor=model.floor * layers,
+    )
+
+
+def flop_cost_model(
+    reference_model: QuadraticCostModel, reference: ModelShape, target: ModelShape
+) -> QuadraticCostModel:
+    """Pure FLOPs ``6·N·s + 6·L·d·s²`` at the throughput the reference calibration reaches on long sequences
+    (``6·N_ref / b_ref`` FLOP/s); no launch floor, no per-microbatch overhead."""
+    flops_per_s = 6.0 * reference.num_matmul_params / reference_model.b
+    return QuadraticCostModel(
+        a=0.0,
+        b=6.0 * target.num_matmul_params / flops_per_s,
+        c=6.0 * target.num_layers * target.attn_dim / flops_per_s,
+    )
+
+
+def load_cost_model(spec: str, shape: ModelShape) -> tuple[QuadraticCostModel, str]:
+    """``(cost model in seconds, description)`` for ``spec``: ``"h200"`` (the shipped calibration, scaled to
+    ``shape`` by FLOPs when the shape differs), ``"flop"`` (:func:`flop_cost_model`), or a calibration JSON path
+    (used as is: it was measured on your model and GPU)."""
+    if spec in ("h200", "flop"):
+        asset = h200_calibration()
+        reference = ModelShape(**asset["model_shape"])
+        measured = calibration_from_dict(asset)
+        if spec == "flop":
+            model = flop_cost_model(measured, reference, shape)
+            rate = 6.0 * reference.num_matmul_params / measured.b / 1e12
+            return (
+                model,
+                f"FLOP model at {rate:.0f} TFLOP/s (the H200 calibration's long-sequence rate): {model.describe()}",
+            )
+        same = (reference.num_matmul_params, reference.num_layers, reference.attn_dim) == (
+            shape.num_matmul_params,
+            shape.num_layers,
+            shape.attn_dim,
+        )
+        if same:
+            return measured, f"H200 calibration of {reference.name} ({asset['date']}): {measured.describe()}"
+        model = scale_cost_model(measured, reference, shape)
+        return model, (
+            f"H200 calibration of {reference.name} ({asset['date']}) scaled by FLOPs to {shape.name}: "
+            f"{model.describe()}"
+        )
+    if spec == "tokens":
+        raise ValueError("cost model 'tokens' has no time unit: use 'h200', 'flop' or a calibration .json")
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(
+            f"cost model {spec!r} is neither 'h200', 'flop' nor an existing calibration .json file"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{spec}: not valid JSON ({err})") from None
+    model = calibration_from_dict(data, where=spec)
+    return model, f"your calibration {path.name}: {model.describe()}"
+
+
+def h200_overheads() -> StepOverheads:
+    """Per-parameter step overheads measured with the shipped calibration (see the asset's provenance)."""
+    data = h200_calibration()["step_overhead"]
+    per_gpu = data["params_per_gpu"]
+    return StepOverheads(
+        odc_s_per_param=data["odc_s"] / per_gpu,
+        fsdp_s_per_param=data["fsdp2_s"] / per_gpu,
+        source=data["source"],
+    )

@@ -1,0 +1,138 @@
+"""Token counts of a dataset's rows for ``python -m odc_hf.estimate``, tokenized as TRL's SFTTrainer does.
+
+- an ``input_ids`` column: its lengths (already tokenized);
+- ``messages`` (chat): ``tokenizer.apply_chat_template(messages, tokenize=True)``;
+- a text column: ``tokenizer(text + eos)`` (TRL appends the eos string when the text does not end with it);
+- ``prompt`` + ``completion``: the two concatenated (strings, or message lists through the chat template).
+
+``datasets`` and ``transformers`` are imported here, lazily, so the planning library stays light.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+BATCH = 1000
+BUILDERS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
+
+
+class EstimateError(ValueError):
+    """Bad input to ``python -m odc_hf.estimate``, with what to change; its ``main`` prints it and exits with 2."""
+
+
+def load_rows(name: str, *, split: str, config_name: str | None):
+    """A ``datasets.Dataset`` from a local file, a saved dataset folder, a folder of data files, or the hub."""
+    import datasets
+
+    path = Path(name)
+    try:
+        if path.is_file():
+            builder = BUILDERS.get(path.suffix)
+            if builder is None:
+                raise EstimateError(
+                    f"--dataset {name}: unknown file type {path.suffix!r}; use one of {sorted(BUILDERS)}"
+                )
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if path.is_dir():
+            if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+                ds = datasets.load_from_disk(str(path))
+                return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+            return datasets.load_dataset(str(path), split=split)
+        if path.suffix in BUILDERS:
+            raise EstimateError(f"--dataset {name}: no such file")
+        return datasets.load_dataset(name, config_name, split=split)
+    except EstimateError:
+        raise
+    except Exception as err:  # noqa: BLE001 - loading failures are the user's input to fix
+        raise EstimateError(
+            f"--dataset {name!r} (split {split!r}) could not be loaded: {type(err).__name__}: {err}. "
+            "A hub name needs network access (or the hub cache); otherwise pass a local file or --lengths"
+        ) from None
+
+
+def load_tokenizer(name: str):
+    if name == "default":
+        from .data import default_tokenizer
+
+        return default_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as err:  # noqa: BLE001
+        raise EstimateError(
+            f"--tokenizer {name!r} could not be loaded ({type(err).__name__}: {err}); pass a path, a hub name, or "
+            "'default' for odc_hf's offline tokenizer"
+        ) from None
+
+
+def pick_column(columns: list[str], column: str | None) -> str:
+    if column is not None:
+        if column == "prompt+completion" and {"prompt", "completion"} <= set(columns):
+            return column
+        if column not in columns:
+            raise EstimateError(f"--column {column!r} is not in the dataset; its columns are {columns}")
+        return column
+    for candidate in ("input_ids", "messages", "text"):
+        if candidate in columns:
+            return candidate
+    if "prompt" in columns and "completion" in columns:
+        return "prompt+completion"
+    raise EstimateError(
+        f"no input_ids, messages, text or prompt+completion column among {columns}: pass --column NAME"
+    )
+
+
+def dataset_lengths(
+    name: str, *, tokenizer: str, column: str | None, split: str = "train", config_name: str | None = None,
+    max_samples: int | None = None,
+) -> np.ndarray:  # fmt: skip
+    """Token count of every row (the first ``max_samples``), with a progress bar while tokenizing."""
+    rows = load_rows(name, split=split, config_name=config_name)
+    if max_samples is not None:
+        rows = rows.select(range(min(max_samples, len(rows))))
+    column = pick_column(list(rows.column_names), column)
+    if column == "input_ids":
+        return np.fromiter((len(ids) for ids in rows["input_ids"]), dtype=np.int64, count=len(rows))
+    tok = load_tokenizer(tokenizer)
+    from tqdm.auto import tqdm
+
+    lengths = np.empty(len(rows), dtype=np.int64)
+    bar = tqdm(total=len(rows), desc="tokenizing", unit="samples", disable=len(rows) < 2 * BATCH)
+    for start in range(0, len(rows), BATCH):
+        batch = rows[start : start + BATCH]
+        if column == "prompt+completion":
+            texts = [p + c for p, c in zip(batch["prompt"], batch["completion"])]
+        else:
+            texts = batch[column]
+        lengths[start : start + len(texts)] = _count(tok, texts, where=f"row {start}+ of column {column!r}")
+        bar.update(len(texts))
+    bar.close()
+    return lengths
+
+
+def _count(tok, texts: list, *, where: str) -> list[int]:
+    if not texts:
+        return []
+    if isinstance(texts[0], list):  # conversations
+        if getattr(tok, "chat_template", None) is None:
+            raise EstimateError(f"{where} holds chat messages but the tokenizer has no chat template")
+        try:
+            ids = tok.apply_chat_template(texts, tokenize=True, return_dict=True)["input_ids"]
+        except Exception as err:  # noqa: BLE001
+            raise EstimateError(f"{where}: the chat template failed ({type(err).__name__}: {err})") from None
+        return [len(x) for x in ids]
+    if not all(isinstance(t, str) for t in texts):
+        raise EstimateError(f"{where} holds {type(texts[0]).__name__}, not text or chat messages")
+    eos = tok.eos_token or ""
+    texts = [t if not eos or t.endswith(eos) else t + eos for t in texts]
+    return [len(x) for x in tok(texts)["input_ids"]]

@@ -1,0 +1,156 @@
+"""The import rules of the layers (docs/design.md, "Layers"), checked on the sources: run it to see where a change
+breaks them.
+
+- ``odc_hf.balance`` is pure planning: importing it loads neither transformers, accelerate, TRL nor (from odc_hf code)
+  torch.distributed, checked by importing it in a fresh interpreter with those blocked;
+- no odc_hf module imports a higher layer (transport < fsdp < model helpers < integrations < launchers; balance and
+  transport are independent of each other), and transport / fsdp / balance import nothing of Hugging Face;
+- the library never imports benchmarks or tests; benchmarks and tests import a benchmark only through a shared module
+  (a benchmarks file without a ``__main__`` block), never a benchmark script.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Layer of every odc_hf package / top-level module: a module may import odc_hf modules of lower layers and of its own
+# package only. transport and balance share a layer so that neither may import the other.
+LAYERS = {
+    "odc_hf.version": 0, "odc_hf.config": 0, "odc_hf.workloads": 0,
+    "odc_hf.transport": 1, "odc_hf.balance": 1,
+    "odc_hf.fsdp": 2,
+    "odc_hf.attention": 3, "odc_hf.calibrate": 3, "odc_hf.data": 3,
+    "odc_hf.integrations": 4,
+    "odc_hf.run": 5,
+    "odc_hf.testing": 6,
+    "odc_hf": 7,  # the package's __init__ (its exports are lazy)
+}  # fmt: skip
+HUGGING_FACE = ("transformers", "accelerate", "trl", "peft", "datasets")
+FORBIDDEN = {  # third-party modules a package must not import
+    "odc_hf.transport": HUGGING_FACE,
+    "odc_hf.fsdp": HUGGING_FACE,
+    "odc_hf.balance": (*HUGGING_FACE, "torch.distributed"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, function-level ones included."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]  # from x import submodule
+    return found
+
+
+def _layer_of(module: str) -> tuple[str, int] | None:
+    """The LAYERS entry a module belongs to (longest matching prefix)."""
+    for prefix in sorted(LAYERS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix, LAYERS[prefix]
+    return None
+
+
+def _within(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _benchmark_scripts() -> set[str]:
+    """Benchmark files with a ``__main__`` block: run, never imported."""
+    return {p.stem for p in (ROOT / "benchmarks").glob("*.py") if '__name__ == "__main__"' in p.read_text()}
+
+
+def test_no_odc_hf_module_imports_a_higher_layer_or_a_forbidden_library():
+    local = {p.stem for d in ("benchmarks", "tests") for p in (ROOT / d).glob("*.py")}
+    broken = []
+    for path in sorted((ROOT / "odc_hf").rglob("*.py")):
+        name = _module_name(path)
+        own, layer = _layer_of(name)
+        for line, module in _imports(path):
+            where = f"{path.relative_to(ROOT)}:{line} imports {module}"
+            top = module.split(".")[0]
+            if top in ("benchmarks", "tests") or top in local:
+                broken.append(f"{where}: the library never imports benchmarks or tests")
+            target = _layer_of(module) if top == "odc_hf" else None
+            if target is not None and target[0] != own and target[1] >= layer:
+                broken.append(f"{where}: {own} (layer {layer}) may not import {target[0]} (layer {target[1]})")
+            for package, forbidden in FORBIDDEN.items():
+                if _within(name, [package]) and _within(module, forbidden):
+                    broken.append(f"{where}: {package} may not import {module}")
+    assert not broken, "\n".join(broken)
+
+
+def test_benchmark_scripts_are_imported_only_through_shared_modules():
+    scripts = _benchmark_scripts()
+    assert {"sft_e2e", "trainer_checks"} <= scripts  # the check sees the scripts it guards
+    broken = []
+    for path in sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "tests").glob("*.py")]):
+        for line, module in _imports(path):
+            parts = module.split(".")
+            name = parts[1] if parts[0] == "benchmarks" and len(parts) > 1 else parts[0]
+            if name in scripts and name != path.stem:
+                broken.append(f"{path.relative_to(ROOT)}:{line} imports the benchmark script {module}")
+    assert not broken, "\n".join(broken)
+
+
+BLOCKED_IMPORT = textwrap.dedent(
+    """
+    import builtins, importlib, importlib.abc, pkgutil, sys
+
+    BLOCKED = ("transformers", "accelerate", "trl", "peft", "datasets")
+
+    class Blocker(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ImportError(f"blocked for this test: {name}")
+            return None
+
+    sys.meta_path.insert(0, Blocker())
+    # torch imports torch.distributed itself, so a finder cannot block it; refuse it to odc_hf code instead.
+    real_import = builtins.__import__
+
+    def guarded(name, globals=None, locals=None, fromlist=(), level=0):
+        importer = (globals or {}).get("__name__", "")
+        asked = [name] + [f"{name}.{item}" for item in fromlist or ()]
+        if level == 0 and importer.startswith("odc_hf") and any(
+            a == "torch.distributed" or a.startswith("torch.distributed.") for a in asked
+        ):
+            raise ImportError(f"{importer} imports torch.distributed")
+        return real_import(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = guarded
+    import odc_hf.balance
+
+    for info in pkgutil.iter_modules(odc_hf.balance.__path__):
+        importlib.import_module("odc_hf.balance." + info.name)
+    print("loaded", sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
+    """
+)
+
+
+def test_balance_imports_with_hugging_face_and_torch_distributed_blocked():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "loaded []"
