@@ -257,3 +257,13 @@ def test_trainable_param_unused_in_some_microbatches(runs):
     expected = {n: p.detach() for n, p in model.named_parameters()}
     assert max_rel_error(got, expected) <= 1e-5
     assert torch.equal(got["base.weight"], expected["base.weight"])
+
+
+def test_unit_spec_accumulator_size():
+    from odc_hf.transport import UnitSpec
+
+    assert UnitSpec(name="u", shard_numel=8, param_dtype=torch.bfloat16).accum_numel == 8  # default: all trainable
+    frozen = UnitSpec(name="f", shard_numel=8, param_dtype=torch.bfloat16, accum_numel=0)
+    assert frozen.gather_only
+    with pytest.raises(ValueError, match="accum_numel must be >= 0"):
+        UnitSpec(name="x", shard_numel=8, param_dtype=torch.float32, accum_numel=-1)

@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import torch
 from fsdp_helpers import distributed_run, loss_sum, max_rel_error, microbatch, reference_run, tiny_qwen2
 
 from odc_hf.testing import run_ranks
@@ -194,3 +195,19 @@ def test_unsupported_meshes_are_refused_clearly(runs):
     assert "spans several nodes" in spanning and "{'node0': [0, 1], 'node1': [2, 3]}" in spanning, spanning
     assert "(2, 2)" in spanning and "dp_replicate_size" in spanning, spanning
     assert "cross-replica all-reduce was switched back on" in messages["all_reduce_on"], messages
+
+
+def _cuda_meshes(rank, world_size, shapes):
+    return {shape: distributed_run(rank, world_size, COUNTS[world_size], MINIBATCHES, "odc", mesh_shape=shape)
+            for shape in shapes}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_hsdp_on_cuda_matches_single_process(references):
+    shapes = [(2, 2), (4, 1)]  # the CUDA transport over each shard group; NCCL across the replicas
+    runs = run_ranks(_cuda_meshes, 4, shapes, backend="nccl", timeout_s=600)[0]
+    for shape in shapes:
+        for m in range(MINIBATCHES):
+            # fp32 atomics on the GPU add in no fixed order: a few ulps more than on CPU, far below 1e-5.
+            assert max_rel_error(runs[shape][m]["params"], references[4][m]["params"]) <= TOLERANCE, (shape, m)
