@@ -2,7 +2,7 @@
 peers waiting at an ODC barrier and peers blocked in a torch.distributed collective that knows nothing of ODC (a gloo
 all-reduce, clip_grad_norm_'s all-reduce, DTensor.full_tensor), whether the failing process exits or lives on
 (its exception caught by user code, a notebook cell). Own loops use ``odc_hf.failure_guard``; the ODC trainers guard
-their whole ``train()`` (tests/test_failure_reporting_trainer.py)."""
+their whole ``train()`` (the last test here)."""
 
 from __future__ import annotations
 
