@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 from accelerate import Accelerator
@@ -69,6 +70,35 @@ def check_supported(accelerator: Accelerator) -> None:
         raise ValueError(f"odc_hf supports 1-D data-parallel sharding only; got {pc}")
 
 
+def check_launch_before_accelerate(environ=None) -> None:
+    """Refuse, before accelerate builds its Accelerator, what accelerate would reject with a message that does not
+    mention ODC: an FSDP1 accelerate config (on a CPU-only host accelerate's FSDP1 plugin raises "There are currently
+    no available devices found" before odc_hf's own FSDP2 check could run)."""
+    environ = os.environ if environ is None else environ
+    if environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes") and environ.get("FSDP_VERSION") == "1":
+        raise ValueError(
+            "odc_hf needs FSDP2: set `fsdp_version: 2` in the accelerate config's fsdp_config (found fsdp_version: 1; "
+            "FSDP1 is not supported). accelerate_configs/odc.yaml is a working GPU config; on a CPU-only host use "
+            "accelerate_configs/cpu.yaml with ACCELERATE_USE_CPU=true"
+        )
+
+
+def check_world_matches_launch(accelerator: Accelerator, environ=None) -> None:
+    """Refuse a launch that started several processes which each see a single-process run (e.g. ``accelerate launch
+    --config_file accelerate_configs/cpu.yaml`` on a CPU host without ``ACCELERATE_USE_CPU=true``): they would train
+    independent copies of the model into the same output directory."""
+    environ = os.environ if environ is None else environ
+    launched = environ.get("WORLD_SIZE", "")
+    if launched.isdigit() and int(launched) > 1 and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"{launched} processes were launched (WORLD_SIZE={launched}) but accelerate set up each one as a single "
+            "process, so they would train independently. On a CPU-only host set ACCELERATE_USE_CPU=true, e.g. "
+            "`ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/cpu.yaml ...` (that config "
+            "takes torchrun's launcher and the variable makes every process a CPU rank); on GPUs launch with an "
+            "FSDP2 config (accelerate_configs/odc.yaml)"
+        )
+
+
 def _reduce_in_fp32(accelerator: Accelerator) -> None:
     """Under ODC the reduce-scatter output is a shared zero buffer and gradients live in the fp32 accumulator.
 
@@ -86,6 +116,7 @@ class ODCAccelerator(Accelerator):
     """``accelerate.Accelerator`` that installs ODC in :meth:`prepare`; ``self.odc`` is the handle afterwards."""
 
     def __init__(self, *args, odc_config: ODCConfig | None = None, **kwargs):
+        check_launch_before_accelerate()
         super().__init__(*args, **kwargs)
         adopt(self, odc_config)
 
@@ -147,6 +178,7 @@ def adopt(accelerator: Accelerator, config: ODCConfig | None = None) -> ODCAccel
         accelerator.__class__ = ODCAccelerator
     accelerator.odc_config = config if config is not None else ODCConfig.from_env()
     accelerator.odc: ODCHandle | None = None
+    check_world_matches_launch(accelerator)
     if accelerator.num_processes < 2 and accelerator.odc_config.enabled and accelerator.is_main_process:
         logger.warning("odc_hf: a single process has nothing to communicate; training runs without ODC")
     return accelerator
