@@ -33,6 +33,7 @@ from odc_hf.fsdp import is_sharded
 from odc_hf.integrations.accelerator import adopt
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
 from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
+from odc_hf.integrations.plugin import as_odc_plugin, refuse_other_engines
 from odc_hf.integrations.stats import MicrobatchClock, RunStats, StepStats, document_lengths, plot_timeline
 
 logger = logging.getLogger(__name__)
@@ -112,8 +113,24 @@ class ODCMixin:
         args.gradient_accumulation_steps = 1
         # Gradients are SUMS over ranks under ODC; the loss is already divided by the global token count.
         args.average_tokens_across_devices = False
+        self.odc_plugin = None
         super().create_accelerator_and_postprocess()
-        adopt(self.accelerator, self.odc_config)
+        if self.odc_plugin is None:
+            import transformers
+
+            raise RuntimeError(
+                f"transformers {transformers.__version__}: Trainer.create_accelerator_and_postprocess no longer builds "
+                "its accelerator through Trainer._build_accelerator_args, where odc_hf gives it its ODCFSDPPlugin"
+            )
+        adopt(self.accelerator, self.odc_plugin)
+
+    def _build_accelerator_args(self, **kwargs):
+        # The one way ODC's options reach an accelerator: an ODCFSDPPlugin (odc_hf/integrations/plugin.py), here the
+        # Trainer's own FSDP plugin (TrainingArguments.fsdp / fsdp_config) plus self.odc_config, or a new one.
+        args = super()._build_accelerator_args(**kwargs)
+        refuse_other_engines(args.get("deepspeed_plugin"))
+        self.odc_plugin = args["fsdp_plugin"] = as_odc_plugin(args.get("fsdp_plugin"), self.odc_config)
+        return args
 
     @property
     def odc(self):
