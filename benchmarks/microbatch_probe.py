@@ -54,7 +54,7 @@ def _run(rank, world_size, args):
     clock = DeviceClock(device)
     config = model_config(args)
     cost_model, points = calibrate_cost_model(rank, world_size, args, device, config)
-    model, optimizer, odc = build_model("odc", config, device, args)
+    model, optimizer, odc, _ = build_model("odc", config, device, args)
     collator = BundleCollator(max_tokens_per_microbatch=args.max_tokens, truncate=True, pad_token_id=0)
     results = {"calibration": {"points": points, **cost_model.to_dict(), "describe": cost_model.describe()},
                "cases": []}  # fmt: skip

@@ -2,20 +2,25 @@
 
 Variants (docs/design.md definitions; every variant trains the same samples in the same order):
 
-- **A** what users run today: TRL's own packing (``trl.pack_dataset``, best-fit decreasing into rows of the token
+- **A** what users run today: TRL SFTTrainer's compute path (its fused LM head, full activation checkpointing as
+  SFTConfig defaults), TRL's own packing (``trl.pack_dataset``, best-fit decreasing into rows of the token
   budget), rows dealt round-robin over ranks like ``DistributedSampler``, one row per microbatch, FSDP2 collectives
   (ranks with fewer rows run an empty dummy microbatch, as gradient accumulation needs equal counts);
-- **B** FSDP2 collectives + LB-Micro (equal microbatch counts, cost-balanced per microbatch index);
-- **C** ODC + LB-Micro (same plan as B: isolates the communication change);
-- **D** ODC + LB-Mini (the product);
+- **B** FSDP2 collectives + LB-Micro (equal microbatch counts, cost-balanced per microbatch index), A's compute path;
+- **C** ODC + LB-Micro (same plan and compute path as B: isolates the communication change);
+- **D** ODC + LB-Mini with odc_hf's defaults (the product): TRL's fused head, Liger's layer kernels when installed on
+  CUDA, activation checkpointing chosen by ``auto`` for the token budget (``odc_hf.integrations.compute_path``),
+  planned with a cost model calibrated on that path. Liger's RoPE patch is process-wide, so with Liger installed A-C
+  use its RoPE too (their RMSNorm and MLP stay transformers');
 - **bound**: Σ single-GPU fwd+bwd time of the minibatch's samples / ranks + optimizer time, from a cost model
-  ``a + b·s + c·s²`` fitted to single-GPU timings of an unsharded copy (measured at the start of the run).
+  ``a + b·s + c·s²`` fitted to single-GPU timings of an unsharded copy on D's compute path (measured at the start).
 
 One process group holds two models: one with FSDP2 collectives (A, B) and one with ODC (C, D); steps are
-interleaved (the variant order rotates every step). Qwen2.5-shaped model from a config (random init), bf16
-compute with fp32 master weights and fp32 gradient reduction, AdamW, activation checkpointing, gradient clipping
-at 1.0, ``attn_implementation="sdpa_varlen"`` (per-document causal SDPA on packed rows, :mod:`odc_hf.attention`).
-The loss is HF's causal-LM loss summed and divided by the global label-token count.
+interleaved (the variant order rotates every step); D gets a third model when its compute path differs (Liger).
+Qwen2.5-shaped model from a config (random init), bf16 compute with fp32 master weights and fp32 gradient reduction,
+AdamW, gradient clipping at 1.0, ``attn_implementation="sdpa_varlen"`` (per-document causal SDPA on packed rows,
+:mod:`odc_hf.attention`). The loss is TRL's fused LM head's token NLL summed and divided by the global label-token
+count (as ``ODCSFTTrainer`` computes it).
 
 Busy time of a rank is measured with CUDA events from the step start to the end of its last backward. ODC ranks
 never wait inside a minibatch, so that is their compute; under FSDP2 waits hide inside the collectives, so B's
@@ -83,14 +88,16 @@ def trl_rows(lengths, budget: int) -> list[list[int]]:
     return rows
 
 
-def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants) -> dict:
-    """Per variant, each rank's microbatches (lists of positions in ``lengths``) and the Plan when there is one."""
+def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants, cost_model_d=None) -> dict:
+    """Per variant, each rank's microbatches (lists of positions in ``lengths``) and the Plan when there is one.
+
+    ``cost_model_d``: D's own (its compute path's) cost model; default ``cost_model``."""
     from odc_hf.balance.plan import Plan
     from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
 
     out = {}
     micro = plan_lb_micro(lengths, world_size, budget, cost_model, truncate=True)
-    mini = plan_lb_mini(lengths, world_size, budget, cost_model, truncate=True)
+    mini = plan_lb_mini(lengths, world_size, budget, cost_model_d or cost_model, truncate=True)
     for v in variants:
         if v in ("B", "C"):
             out[v] = (micro.microbatches, micro)
@@ -166,36 +173,61 @@ def _run(rank, world_size, args):
     config = model_config(args)
     began = time.monotonic()
     env = report.environment() if rank == 0 else None
+    from odc_hf.balance.memory import describe_checkpointing
+    from odc_hf.integrations import compute_path as cp
+
+    # A-C: TRL SFTTrainer's defaults (fused head, full AC; calibrated first, before any Liger patch). D: odc_hf's.
     cost_model, points = calibrate_cost_model(rank, world_size, args, device, config)
     flops = FlopCostModel.from_config(config)
     budget = args.max_tokens
     collator = BundleCollator(max_tokens_per_microbatch=budget, truncate=True, pad_token_id=0)
     models = {kind: build_model(kind, config, device, args) for kind in ("fsdp", "odc")}
+    d_kernels = "liger" if cp.liger_problem(device) is None else "none"
+    d_kind = "odc_default" if d_kernels == "liger" else "odc"  # same weights; Liger patches need their own model
+    built = build_model("odc", config, device, args, kernels=d_kernels, checkpointing="auto")
+    checkpointed = {"A": config.num_hidden_layers, "B": config.num_hidden_layers, "C": config.num_hidden_layers,
+                    "D": built[3]}  # fmt: skip
+    if d_kind == "odc_default":
+        models[d_kind] = built
+    else:  # D runs the "odc" model with its own checkpointing (set before each step); drop the spare copy
+        built[2].close()
+        del built
+    cost_model_d, points_d = cost_model, points
+    if (d_kernels, checkpointed["D"]) != ("none", config.num_hidden_layers):
+        cost_model_d, points_d = calibrate_cost_model(rank, world_size, args, device, config, d_kernels, checkpointed["D"])
     planned = time.monotonic()
     shapes = attention.warm_up(models["odc"][0], budget, dtype=torch.bfloat16)  # per process: serves both models
     warm_up = {"attention_shapes": shapes, "seconds": time.monotonic() - planned, "bucket": attention.attention_of(models["odc"][0]).shape_bucket}
-    model_of = {"A": "fsdp", "B": "fsdp", "C": "odc", "D": "odc"}
+    model_of = {"A": "fsdp", "B": "fsdp", "C": "odc", "D": d_kind}
+    paths = {v: {"kernels": d_kernels if v == "D" else "none", "loss": cp.TRL_FUSED_HEAD,
+                 "activation_checkpointing": describe_checkpointing(checkpointed[v], config.num_hidden_layers)
+                 + (" (auto)" if v == "D" else "")} for v in VARIANTS}  # fmt: skip
     payload = {
         "env": env,
         "args": vars(args),
         "world_size": world_size,
         "model_config": config.to_dict() if rank == 0 else None,
-        "calibration": {"points": points, **cost_model.to_dict(), "describe": cost_model.describe()},
+        "compute_paths": paths,
+        "calibration": {"points": points, **cost_model.to_dict(), "describe": cost_model.describe(),
+                        "compute_path": paths["B"]},
+        "calibration_d": {"points": points_d, **cost_model_d.to_dict(), "describe": cost_model_d.describe(),
+                          "compute_path": paths["D"]},
         "attention_warm_up": warm_up,
+        "model_of": model_of,
         "configs": [],
         "skipped": [],
     }
 
     # one warm-up step per model on a short batch: NCCL communicators, Triton JIT of the ODC kernels
     warm = collator([[{"input_ids": list(range(1, 65))}]])
-    for model, optimizer, odc in models.values():
+    for model, optimizer, odc, _ in models.values():
         run_step(model, optimizer, odc, warm, 63 * world_size, device, clock)
 
     for workload, per_rank, explicit in _configs(args):
         variants = _variants_for(args, workload, per_rank, explicit)
         num_steps = args.warmup + args.steps
         lengths = step_lengths(args, workload, per_rank, world_size, num_steps)
-        plans = [plans_for_step(ls, world_size, budget, cost_model, variants) for ls in lengths]
+        plans = [plans_for_step(ls, world_size, budget, cost_model, variants, cost_model_d) for ls in lengths]
         estimate = sum(_predicted(p, v)[0] for p in plans for v in variants)
         go = torch.tensor([1.0 if time.monotonic() - began + 1.3 * estimate + 20 < args.time_budget else 0.0],
                           device=device)  # fmt: skip
@@ -217,7 +249,8 @@ def _run(rank, world_size, args):
             for v in order:
                 mine = plan[v][0][rank]
                 microbatches = collator([[example(i) for i in mb] for mb in mine])
-                model, optimizer, odc = models[model_of[v]]
+                model, optimizer, odc, _ = models[model_of[v]]
+                cp.enable_checkpointing(model, checkpointed[v])
                 rec = run_step(model, optimizer, odc, microbatches, global_labels, device, clock)
                 docs = [[min(int(ls[i]), budget) for i in mb] for mb in mine]
                 rec.update(variant=v, step=step, rank=rank, mb_tokens=[sum(d) for d in docs], mb_docs=docs)
@@ -230,7 +263,7 @@ def _run(rank, world_size, args):
                 "lengths": [ls.tolist() for ls in lengths],
                 "tokens": [int(np.minimum(ls, budget).sum()) for ls in lengths],
                 "flops": [float(flops.doc_costs(np.minimum(ls, budget)).sum()) for ls in lengths],
-                "bound_compute_s": [makespan_lower_bound(ls, world_size, budget, cost_model, truncate=True)
+                "bound_compute_s": [makespan_lower_bound(ls, world_size, budget, cost_model_d, truncate=True)
                                     for ls in lengths],
                 "predicted": {v: [_predicted(p, v) for p in plans]
                               for v in variants},
@@ -238,7 +271,7 @@ def _run(rank, world_size, args):
             }  # fmt: skip
             payload["configs"].append(summary)
         static = {}
-        for kind, (model, optimizer, odc) in models.items():
+        for kind, (model, optimizer, odc, _) in models.items():
             value = torch.tensor([float(_static_bytes(model, optimizer, odc))], device=device)
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
             static[kind] = float(value.item())
@@ -246,7 +279,7 @@ def _run(rank, world_size, args):
         payload["elapsed_s"] = time.monotonic() - began
         if rank == 0:
             _write(payload, args.out, final=False)
-    for _, _, odc in models.values():
+    for _, _, odc, _ in models.values():
         if odc is not None:
             odc.close()
     if rank == 0:
@@ -295,7 +328,7 @@ def analyse(payload: dict) -> list[dict]:
             bubble = None
             if own_busy is not None:
                 bubble = _median(1 - statistics.mean(own_busy[s]) / step[v][s] for s in measured)
-            kind = "fsdp" if v in ("A", "B") else "odc"
+            kind = payload.get("model_of", {}).get(v, "fsdp" if v in ("A", "B") else "odc")
             transient = max(
                 r["transient_bytes"] for r in cfg["records"] if r["variant"] == v and r["step"] >= warm
             )
@@ -377,7 +410,8 @@ def insitu_cost_check(payload: dict) -> dict | None:
 
     from odc_hf.balance.cost import QuadraticCostModel
 
-    docs, seconds, _ = microbatch_timings(payload)
+    same_path = payload.get("calibration_d", {}).get("compute_path") == payload["calibration"].get("compute_path")
+    docs, seconds, _ = microbatch_timings(payload, ("C", "D") if same_path else ("C",))  # C: the calibrated path
     if len(docs) < 6:
         return None
     t = np.asarray(seconds)
@@ -485,8 +519,13 @@ def render(payload: dict, out_dir) -> str:
         f"# End-to-end SFT steps: {payload['args']['model']} Qwen2.5 shape on {W} ranks\n",
         report.env_markdown(env),
         f"- model: Qwen2.5-{payload['args']['model']} shape from a config (random init), tied embeddings, bf16 compute, "
-        "fp32 master weights and gradient reduction, AdamW, activation checkpointing, clip 1.0, "
+        "fp32 master weights and gradient reduction, AdamW, clip 1.0, "
         '`attn_implementation="sdpa_varlen"` (per-document causal SDPA on packed rows)',
+        *([("- compute paths (loss, kernels, activation checkpointing): "
+            + "; ".join(f"{v}: {p['loss']}, kernels {p['kernels']}, AC {p['activation_checkpointing']}"
+                        for v, p in paths.items()))] if (paths := payload.get("compute_paths")) else []),
+        *([f"- D's cost model (its compute path, also the bound's): {payload['calibration_d']['describe']}"]
+          if payload.get("calibration_d") else []),
         f"- token budget per microbatch {payload['args']['max_tokens']}; lengths clipped to it; workload seed "
         f"{payload['args']['seed']}; warm-up steps excluded; variants interleaved (order rotates each step)",
         f"- cost model (single-GPU fwd+bwd of an unsharded bf16 copy, fitted): {cal['describe']}; points "
@@ -495,7 +534,7 @@ def render(payload: dict, out_dir) -> str:
            f"shapes planned before the first step ({w['seconds']:.1f} s, `odc_hf.attention.warm_up`)"]
           if (w := payload.get("attention_warm_up")) else
           ["- attention shapes: exact (no bucket), cuDNN plans built when a length first appears"]),
-        "- bound = the step time with perfect balance and free communication under the single-GPU cost model: "
+        "- bound = the step time with perfect balance and free communication under D's single-GPU cost model: "
         "max((Σ document costs + overhead·⌈tokens / budget⌉) / ranks, costliest document alone) + the optimizer time "
         "of D (the planner's `makespan_lower_bound`; the floor is left out, so it never exceeds packed rows' cost); "
         "efficiency = bound / step time. MFU: causal-halved FLOPs 6·N·s + 6·L·d·s² per sample / "

@@ -34,8 +34,19 @@ def sample_ids(seed: int, step: int, index: int, length: int, vocab: int) -> lis
     return torch.randint(1, vocab, (int(length),), generator=g).tolist()
 
 
-def calibrate_cost_model(rank, world_size, args, device, config):
-    """Fit a + b·s + c·s² to single-GPU fwd+bwd timings of an unsharded bf16 copy (grid split over ranks)."""
+def compute_path(model, kernels: str, checkpointed: int) -> None:
+    """A variant's compute path on a not yet sharded model: Liger kernels, TRL SFTTrainer's fused head, AC."""
+    from odc_hf.integrations import compute_path as cp
+
+    if kernels == "liger":
+        cp.apply_liger_kernels(model, fused_linear_cross_entropy=False)
+    cp.install_fused_head(model, outputs=cp.SFT_HEAD_OUTPUTS)
+    cp.enable_checkpointing(model, checkpointed)
+
+
+def calibrate_cost_model(rank, world_size, args, device, config, kernels="none", checkpointed=None):
+    """Fit a + b·s + c·s² to single-GPU fwd+bwd timings of an unsharded bf16 copy on a compute path (grid split over
+    ranks); ``checkpointed`` layers (default all: SFTConfig's full checkpointing)."""
     import torch
     import torch.distributed as dist
     from transformers import Qwen2ForCausalLM
@@ -49,9 +60,10 @@ def calibrate_cost_model(rank, world_size, args, device, config):
         model = Qwen2ForCausalLM(config)
     if device.type == "cuda":
         model = model.to(torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compute_path(model, kernels, config.num_hidden_layers if checkpointed is None else checkpointed)
     mine = grid[rank::world_size]
-    medians = time_lengths(model, mine, repeats=args.calibration_repeats) if mine else []
+    medians = (time_lengths(model, mine, repeats=args.calibration_repeats, forward_kwargs={"fused_lm_head": True})
+               if mine else [])  # fmt: skip
     timings = list(zip(mine, medians))
     del model
     if device.type == "cuda":
@@ -63,17 +75,28 @@ def calibrate_cost_model(rank, world_size, args, device, config):
     return fitted, points
 
 
-def build_model(kind: str, config, device, args):
+def build_model(kind: str, config, device, args, kernels="none", checkpointing="full"):
+    """A sharded model on a compute path; ``checkpointing`` "full" (SFTConfig's default) or "auto" (odc_hf's).
+    Returns (model, optimizer, odc handle or None, checkpointed layers)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import Qwen2ForCausalLM
 
     from odc_hf.fsdp import install_odc, shard_model, sum_reduction
+    from odc_hf.integrations import compute_path as cp
 
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointed = config.num_hidden_layers
+    compute_path(model, kernels, checkpointed)
+    if checkpointing == "auto":  # what the ODC trainers do for the token budget (a collective: every rank runs it)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        path = cp.plan_checkpointing(cp.ComputePath(kernels=kernels, loss=cp.TRL_FUSED_HEAD), model, policy="auto",
+                                     tokens=args.max_tokens, device=device, compute_dtype=dtype,
+                                     world_size=torch.distributed.get_world_size(), odc=kind == "odc",
+                                     device_memory_gib=None)  # fmt: skip
+        checkpointed = path.checkpointed_layers
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if device.type == "cuda"
@@ -87,7 +110,7 @@ def build_model(kind: str, config, device, args):
         odc.attach_optimizer(optimizer)
     else:  # same loss semantics as ODC: gradients summed over ranks, the loss carries the global normaliser
         sum_reduction(model)
-    return model, optimizer, odc
+    return model, optimizer, odc, checkpointed
 
 
 def _retries(device) -> int:
@@ -120,7 +143,7 @@ def run_step(model, optimizer, odc, microbatches, global_labels, device, clock) 
     start = clock.mark()
     ends = []
     for batch in batches:
-        out = model(**batch, num_items_in_batch=global_labels)
+        out = model(**batch, fused_lm_head=True, num_items_in_batch=global_labels)
         out.loss.backward()
         ends.append(clock.mark())
         del out

@@ -43,7 +43,7 @@ def parse_args(argv=None):
         help="sdpa_varlen (per-document SDPA on packed rows, odc_hf.attention), flash_attention_2, sdpa, ...",
     )
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="same as --activation_checkpointing full")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logging_steps", type=int, default=1)
     p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: never)")
@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--balance", choices=["lb_mini", "lb_micro", "none"], default=None)
     p.add_argument("--cost_model", default=None, help="flop | tokens | calibration.json")
     p.add_argument("--max_tokens_per_microbatch", type=int, default=None)
+    p.add_argument("--activation_checkpointing", default=None,
+                   help="auto (default: the least recomputation that fits the GPU) | full | none | a fraction like 0.5")
     p.add_argument("--losses_json", default=None, help="write per-step losses and microbatch counts here")
     return p.parse_args(argv)
 
@@ -121,6 +123,7 @@ def main(argv=None) -> None:
     odc_config = ODCConfig.from_env(
         enabled=None if args.odc is None else args.odc == "on",
         balance=balance, cost_model=args.cost_model, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        activation_checkpointing=args.activation_checkpointing or ("full" if args.gradient_checkpointing else None),
     )  # fmt: skip
     sft_args = SFTConfig(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.per_device_train_batch_size,
@@ -128,7 +131,7 @@ def main(argv=None) -> None:
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=args.seed,
         logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, report_to=args.report_to, bf16=args.bf16, max_length=args.max_length,
-        packing=False, gradient_checkpointing=args.gradient_checkpointing, dataloader_drop_last=True,
+        packing=False, gradient_checkpointing=False, dataloader_drop_last=True,  # odc_hf owns checkpointing
         disable_tqdm=False, use_liger_kernel=False, dataset_num_proc=None,
     )  # fmt: skip
     trainer = ODCSFTTrainer(model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer,

@@ -17,12 +17,16 @@ from odc_hf.balance.cost import QuadraticCostModel
 __all__ = ["calibrate", "time_lengths"]
 
 
-def time_lengths(model, lengths: Sequence[int], *, repeats: int = 3, device=None) -> list[float]:
+def time_lengths(
+    model, lengths: Sequence[int], *, repeats: int = 3, device=None, forward_kwargs: dict | None = None
+) -> list[float]:
     """Median seconds of forward+backward of ``model`` on one random sequence per length.
 
     Each length is run once to warm up, then ``repeats`` times; the median is kept (robust to the
     occasional allocator or clock hiccup). Gradients are cleared after each run. ``device`` defaults to
     the model's own device. The model must accept ``input_ids`` and ``labels`` (any HF causal LM).
+    Time the path training runs: apply its kernels and activation checkpointing to ``model`` first, and pass what
+    its loss needs in ``forward_kwargs`` (``{"fused_lm_head": True}`` for TRL's fused LM head).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -40,7 +44,7 @@ def time_lengths(model, lengths: Sequence[int], *, repeats: int = 3, device=None
     def run_once(ids):
         sync()
         start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=ids, labels=ids, **(forward_kwargs or {})).loss.backward()
         sync()
         elapsed = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
@@ -59,10 +63,14 @@ def time_lengths(model, lengths: Sequence[int], *, repeats: int = 3, device=None
     return medians
 
 
-def calibrate(model, lengths: Sequence[int], *, repeats: int = 3, device=None) -> QuadraticCostModel:
+def calibrate(
+    model, lengths: Sequence[int], *, repeats: int = 3, device=None, forward_kwargs: dict | None = None
+) -> QuadraticCostModel:
     """Time forward+backward of ``model`` at each length (:func:`time_lengths`); fit ``max(floor, a + b·s + c·s²)``.
 
-    Include a few short lengths (launch-bound, they set the floor) and at least three long ones.
+    Include a few short lengths (launch-bound, they set the floor) and at least three long ones. Kernels and
+    activation checkpointing change the cost per token: calibrate the path training runs, and record it beside the
+    coefficients (``{**model.to_dict(), "compute_path": {...}}``; :meth:`QuadraticCostModel.from_dict` ignores it).
     """
-    seconds = time_lengths(model, lengths, repeats=repeats, device=device)
+    seconds = time_lengths(model, lengths, repeats=repeats, device=device, forward_kwargs=forward_kwargs)
     return QuadraticCostModel.fit([int(s) for s in lengths], seconds)

@@ -15,6 +15,8 @@ import os
 from typing import Any
 
 BALANCE_MODES = ("lb_mini", "lb_micro", "none")
+CHECKPOINTING_NAMES = ("auto", "full", "none")
+KERNEL_CHOICES = ("auto", "liger", "none")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,6 +49,16 @@ class ODCConfig:
             shapes). See docs/attention.md.
         attention_varlen_kernel: for a model on ``"sdpa_varlen"`` on CUDA: one torch flash-varlen call per layer
             instead of one SDPA call per document (slower on an H200; docs/attention.md).
+        activation_checkpointing: which decoder layers recompute their activations in backward. ``auto``: the
+            least recomputation whose predicted peak memory fits the device at the token budget (memory model
+            calibrated on the GPU; ``none`` on CPU); ``full``; ``none``; or a fraction such as ``"0.5"``: that share
+            of the decoder layers, spread evenly. The ODC trainers only (docs/performance.md).
+        device_memory_gib: the device memory ``auto`` plans against, in GiB (default: the GPU's total memory).
+            Lower it to leave room for something else on the GPU.
+        kernels: Liger's Triton layer kernels (RMSNorm, SwiGLU, RoPE; ODCTrainer also its fused linear
+            cross-entropy). ``auto``: when ``liger-kernel`` is installed (``pip install odc_hf[kernels]``) and
+            training runs on CUDA; ``liger``: required (clear error otherwise; ``use_liger_kernel=True`` in the
+            training arguments means the same); ``none``: off.
     """
 
     enabled: bool = True
@@ -59,6 +71,9 @@ class ODCConfig:
     log_timeline: bool = True
     attention_shape_bucket: int = 1024
     attention_varlen_kernel: bool = False
+    activation_checkpointing: str = "auto"
+    device_memory_gib: float | None = None
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:
@@ -75,6 +90,22 @@ class ODCConfig:
             raise ValueError(f"attention_shape_bucket must be an integer >= 0, got {self.attention_shape_bucket}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if isinstance(self.activation_checkpointing, (int, float)):  # ODCConfig(activation_checkpointing=0.5)
+            object.__setattr__(self, "activation_checkpointing", str(self.activation_checkpointing))
+        if self.activation_checkpointing not in CHECKPOINTING_NAMES:
+            try:
+                fraction = float(self.activation_checkpointing)
+            except ValueError:
+                fraction = -1.0
+            if not 0.0 <= fraction <= 1.0:
+                raise ValueError(
+                    f"activation_checkpointing must be one of {CHECKPOINTING_NAMES} or a fraction of the decoder "
+                    f"layers between 0 and 1 such as '0.5', got {self.activation_checkpointing!r}"
+                )
+        if self.device_memory_gib is not None and self.device_memory_gib <= 0:
+            raise ValueError(f"device_memory_gib must be positive, got {self.device_memory_gib}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.cost_model not in ("flop", "tokens") and not self.cost_model.endswith(".json"):
             raise ValueError(
                 f"cost_model must be 'flop', 'tokens' or a calibration .json path, got {self.cost_model!r}"
@@ -104,5 +135,5 @@ def _parse(field: dataclasses.Field, raw: str) -> Any:
     if kind.startswith("int"):
         return None if raw.lower() == "none" else int(raw)
     if kind.startswith("float"):
-        return float(raw)
+        return None if raw.lower() == "none" else float(raw)
     return raw

@@ -182,7 +182,8 @@ class QuadraticCostModel(CostModel):
 
     @classmethod
     def from_dict(cls, data: dict) -> QuadraticCostModel:
-        """Read :meth:`to_dict`'s form; ``floor`` may be missing (files written before it existed)."""
+        """Read :meth:`to_dict`'s form; ``floor`` may be missing (files written before it existed). Other keys (the
+        compute path a file records, raw timings) are ignored."""
         missing = [k for k in ("a", "b", "c") if k not in data]
         if missing:
             raise ValueError(f"a cost model needs keys a, b, c (and optionally floor); missing {missing}")

@@ -51,6 +51,15 @@ class ODCArguments:
     odc_attention_varlen_kernel: bool | None = field(default=None, metadata={"help": (
         "ODC: for attn_implementation=sdpa_varlen on CUDA, one flash-varlen call per layer instead of one SDPA "
         "call per document (default false)")})  # fmt: skip
+    odc_activation_checkpointing: str | None = field(default=None, metadata={"help": (
+        "ODC: which decoder layers recompute activations in backward: auto (the least recomputation whose predicted "
+        "peak memory fits the GPU at the token budget; none on CPU), full, none, or a fraction such as 0.5 "
+        "(default auto)")})  # fmt: skip
+    odc_device_memory_gib: float | None = field(default=None, metadata={"help": (
+        "ODC: the device memory activation_checkpointing=auto plans against, in GiB (default: the GPU's total)")})  # fmt: skip
+    odc_kernels: str | None = field(default=None, metadata={"help": (
+        "ODC: Liger's Triton layer kernels: auto (when liger-kernel is installed and training runs on CUDA), "
+        "liger (required), none (default auto)")})  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -35,6 +35,7 @@ from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleL
 from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
 from odc_hf.integrations.plugin import as_odc_plugin, refuse_other_engines
 from odc_hf.integrations.stats import MicrobatchClock, RunStats, StepStats, document_lengths, plot_timeline
+from odc_hf.integrations import compute_path
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,10 @@ class _ODCCallback(TrainerCallback):
 class ODCMixin:
     """Mix into a ``transformers.Trainer`` subclass: ``make_odc_trainer(SFTTrainer)`` or ``ODCTrainer``."""
 
+    odc_compute_path = False
+    """Whether odc_hf sets up the microbatch compute path (kernels, fused loss, activation checkpointing; see
+    ``compute_path``). ``make_odc_trainer`` classes do; GRPO keeps TRL's own."""
+
     def __init__(self, *args, odc_config: ODCConfig | None = None, **kwargs):
         if odc_config is None:  # trainer arguments' odc_* fields, then ODC_* variables, then defaults
             from odc_hf.integrations.arguments import odc_config_from_args
@@ -98,8 +103,24 @@ class ODCMixin:
         self.odc_stats = RunStats()
         self.odc_microbatch_timings: list[tuple[list[int], float]] = []
         self.odc_attention_warm_up: dict | None = None  # {"shapes", "seconds", "dtype"} once warm_up ran
+        self.odc_compute: compute_path.ComputePath | None = None
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
+        if self.odc_compute_path:
+            self.odc_compute = compute_path.setup(self)
+
+    def odc_base_fused_head(self) -> bool:
+        """Hook: True where the base trainer's ``compute_loss`` runs TRL's fused LM head itself (SFTTrainer)."""
+        return False
+
+    def odc_base_loss_is_plain(self) -> bool:
+        """Whether the trainer below the mixin computes the loss as ``transformers.Trainer`` does (the model's own)."""
+        return getattr(super().compute_loss, "__func__", None) is Trainer.compute_loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.odc_compute is not None and self.odc_compute.fused_by_odc and model.training and not return_outputs:
+            return compute_path.fused_head_loss(model, inputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     # -- setup -------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
@@ -144,6 +165,7 @@ class ODCMixin:
         if choice == "tokens":
             return TokenCostModel()
         data = json.loads(Path(choice).read_text())
+        compute_path.check_recorded(data, getattr(self, "odc_compute", None), choice)
         if all(k in data for k in "abc"):
             return QuadraticCostModel.from_dict(data)
         if "lengths" in data and "seconds" in data:  # raw timings: fit them
@@ -171,6 +193,8 @@ class ODCMixin:
         # layout, one packed row (docs/configuration.md), i.e. the longest sample. The sampler checks the data.
         budget = self.odc_config.max_tokens_per_microbatch or max(lengths)
         self._odc_check_attention(budget)
+        if self.odc_compute is not None:
+            compute_path.plan(self, budget)  # activation checkpointing for this budget, before prepare()
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         sampler = ODCBatchSampler(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_minibatch_per_rank * world,
@@ -246,7 +270,8 @@ class ODCMixin:
         guard = self.odc.failure_guard() if self.odc is not None else contextlib.nullcontext()
         clock = MicrobatchClock(device) if self._odc_time_microbatches() else None
         try:
-            with guard:  # a rank that raises tells its peers at once instead of leaving them to time out
+            # a rank that raises tells its peers at once instead of leaving them to time out; an OOM names the plan
+            with guard, compute_path.oom_guard(self.odc_compute):
                 for microbatch in inputs.microbatches:
                     batch = send_to_device(
                         {k: v for k, v in microbatch.items() if k != "num_label_tokens"}, device
@@ -376,6 +401,8 @@ class ODCMixin:
             "device": str(self.accelerator.device),
             "warmup_steps_skipped": self.ODC_TIMING_WARMUP_STEPS,
         }
+        if self.odc_compute is not None:  # costs per token depend on the kernels and checkpointing
+            payload["compute_path"] = self.odc_compute.describe()
         try:
             fitted = QuadraticCostModel.fit_microbatches(payload["microbatches"], payload["seconds"])
             payload.update(fitted.to_dict())
@@ -400,7 +427,8 @@ class ODCMixin:
 
 def make_odc_trainer(trainer_cls: type[Trainer]) -> type[Trainer]:
     """``ODCX = make_odc_trainer(X)`` for any Trainer subclass X (TRL's SFTTrainer, your own, ...)."""
-    return type(f"ODC{trainer_cls.__name__}", (ODCMixin, trainer_cls), {"__module__": __name__})
+    return type(f"ODC{trainer_cls.__name__}", (ODCMixin, trainer_cls),
+                {"__module__": __name__, "odc_compute_path": True})  # fmt: skip
 
 
 ODCTrainer = make_odc_trainer(Trainer)

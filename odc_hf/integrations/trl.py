@@ -83,6 +83,9 @@ def make_odc_sft_trainer(sft_cls):
                     "the load balancer); set packing=False in SFTConfig"
                 )
 
+        def odc_base_fused_head(self) -> bool:  # SFTTrainer.compute_loss runs TRL's fused LM head
+            return True
+
         def odc_mask_keys(self) -> tuple[str, ...]:
             keys = []
             if getattr(self.args, "completion_only_loss", None) is not False:

@@ -1,0 +1,268 @@
+"""The microbatch compute path: fused loss = full-logits loss under ODC with uneven microbatch counts, the
+activation-checkpointing choice as a pure function of the memory model, Liger errors, the trainer hooks."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fsdp_helpers import VOCAB, full, loss_sum, max_rel_error, microbatch, tiny_qwen2
+
+from odc_hf.balance.cost import QuadraticCostModel
+from odc_hf.balance.memory import (
+    GIB,
+    MemoryModel,
+    checkpointed_indices,
+    choose_checkpointing,
+    describe_checkpointing,
+    layers_to_checkpoint,
+)
+from odc_hf.config import ODCConfig
+from odc_hf.integrations import compute_path
+from odc_hf.testing import run_ranks
+
+# microbatches per rank, per minibatch: uneven, and a rank with none
+COUNTS = [(3, 1), (0, 2)]
+
+
+def _memory(**overrides) -> MemoryModel:
+    # 1.5B-like at bf16: ~0.18 MB per token per layer without AC, 3 KB with it (the layer input)
+    values = dict(num_layers=28, layer_bytes_per_token=180e3, checkpoint_bytes_per_token=3e3,
+                  recompute_bytes_per_token=180e3, other_bytes_per_token=20e3, fixed_bytes=2 * GIB,
+                  static_bytes=12 * GIB)  # fmt: skip
+    return MemoryModel(**{**values, **overrides})
+
+
+def test_auto_checkpointing_is_the_least_recomputation_that_fits():
+    model = _memory()
+    tokens = 32768
+    none, full_ = model.peak_bytes(tokens, 0), model.peak_bytes(tokens, 28)
+    assert full_ < none
+    assert choose_checkpointing(model, tokens, 200 * GIB) == (0, True)  # a large device: no checkpointing
+    n, fits = choose_checkpointing(model, tokens, (none + full_) / 2)  # memory short: some layers
+    assert fits and 0 < n < 28
+    assert model.peak_bytes(tokens, n) <= (none + full_) / 2 < model.peak_bytes(tokens, n - 1)
+    assert choose_checkpointing(model, tokens, full_) == (28, True)  # just enough for full
+    assert choose_checkpointing(model, tokens, full_ - 1) == (28, False)  # nothing fits: full, flagged
+    # "auto" never needs more memory than "full" wherever "full" fits, for any budget
+    for budget in torch.linspace(full_, none * 1.1, 50).tolist():
+        n, fits = choose_checkpointing(model, tokens, budget)
+        assert fits and model.peak_bytes(tokens, n) <= budget
+
+
+def test_memory_model_round_trip_and_validation():
+    model = _memory()
+    data = {**model.to_dict(), "device": "NVIDIA H200", "note": "ignored"}
+    assert MemoryModel.from_dict(json.loads(json.dumps(data))) == model
+    with pytest.raises(ValueError, match="layer_bytes_per_token"):
+        _memory(layer_bytes_per_token=-1.0)
+    with pytest.raises(ValueError, match="checkpointed layers"):
+        model.peak_bytes(10, 29)
+
+
+def test_selective_spelling_and_layer_spread():
+    assert layers_to_checkpoint(0.5, 28) == 14 and layers_to_checkpoint(0.01, 28) == 1
+    assert layers_to_checkpoint(1.0, 28) == 28 and layers_to_checkpoint(0.0, 28) == 0
+    assert checkpointed_indices(14, 28) == list(range(1, 28, 2))  # every second layer
+    assert checkpointed_indices(28, 28) == list(range(28)) and checkpointed_indices(0, 28) == []
+    assert len(set(checkpointed_indices(9, 28))) == 9
+    assert [describe_checkpointing(n, 28) for n in (0, 7, 28)] == ["none", "selective 7/28", "full"]
+    assert ODCConfig(activation_checkpointing=0.25).activation_checkpointing == "0.25"
+    assert (
+        ODCConfig.from_env(
+            {"ODC_ACTIVATION_CHECKPOINTING": "full", "ODC_DEVICE_MEMORY_GIB": "40"}
+        ).device_memory_gib
+        == 40
+    )
+    for bad in ("sometimes", "1.5", "-0.1"):
+        with pytest.raises(ValueError, match="activation_checkpointing must be"):
+            ODCConfig(activation_checkpointing=bad)
+    with pytest.raises(ValueError, match="kernels must be"):
+        ODCConfig(kernels="triton")
+
+
+def test_calibration_json_records_the_compute_path_and_reads_back(tmp_path, caplog):
+    model = QuadraticCostModel(a=0.1, b=2e-5, c=1e-10, floor=0.15)
+    path = compute_path.ComputePath(kernels="liger", loss=compute_path.TRL_FUSED_HEAD, checkpointing="none",
+                                    checkpointed_layers=0, num_layers=28)  # fmt: skip
+    record = {**model.to_dict(), "compute_path": path.describe(), "lengths": [1, 2]}
+    file = tmp_path / "calibration.json"
+    file.write_text(json.dumps(record))
+    assert QuadraticCostModel.from_dict(json.loads(file.read_text())) == model  # unknown keys ignored
+    other = compute_path.ComputePath(loss=compute_path.FULL_LOGITS, checkpointing="full")
+    with caplog.at_level("WARNING"):
+        compute_path.check_recorded(json.loads(file.read_text()), other, str(file))
+    assert "re-calibrate" in caplog.text and "full_logits" in caplog.text
+
+
+def test_use_liger_kernel_without_liger_or_without_gpu_is_a_clear_error(monkeypatch):
+    import importlib.util
+
+    cpu = torch.device("cpu")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a)
+    )
+    with pytest.raises(ValueError, match=r"use_liger_kernel=True needs .*not installed.*odc_hf\[kernels\]"):
+        compute_path.resolve_kernels("auto", True, cpu)
+    with pytest.raises(ValueError, match=r"kernels='liger'"):
+        compute_path.resolve_kernels("liger", False, cpu)
+    assert compute_path.resolve_kernels("auto", False, cpu) == "none"  # auto: quietly without
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else real(name, *a)
+    )
+    with pytest.raises(ValueError, match="Triton GPU kernels and this run's device is cpu"):
+        compute_path.resolve_kernels("auto", True, cpu)
+    assert compute_path.resolve_kernels("auto", False, cpu) == "none"
+    assert compute_path.resolve_kernels("auto", False, torch.device("cuda", 0)) == "liger"
+    with pytest.raises(ValueError, match="contradicts"):
+        compute_path.resolve_kernels("none", True, cpu)
+
+
+def test_selective_checkpointing_sets_the_chosen_layers_and_keeps_gradients():
+    ids = microbatch(0, 0)
+    grads = {}
+    for n in (0, 1, 2):
+        model = tiny_qwen2()
+        compute_path.enable_checkpointing(model, n)
+        flags = [layer.gradient_checkpointing for layer in compute_path.decoder_layers(model)]
+        assert sum(flags) == n and flags == [i in checkpointed_indices(n, 2) for i in range(2)]
+        loss_sum(model, ids).backward()
+        grads[n] = {k: p.grad.clone() for k, p in model.named_parameters()}
+    for n in (1, 2):  # recomputation gives the same gradients (same fp32 ops, same order)
+        assert max_rel_error(grads[n], grads[0]) <= 1e-6
+
+
+def _odc_fused_run(rank, world_size):
+    """Two ranks, ODC, TRL's fused head as ODCSFTTrainer runs it (no DTensor collective: the guard would raise),
+    one of two layers checkpointed (selective AC under FSDP2 + ODC)."""
+    from odc_hf.fsdp import install_odc, shard_model
+
+    model = tiny_qwen2()
+    assert compute_path.install_fused_head(model, outputs=compute_path.SFT_HEAD_OUTPUTS)  # SFTTrainer's head
+    compute_path.guard_sharded_head(model)
+    compute_path.enable_checkpointing(model, 1)
+    shard_model(model)
+    odc = install_odc(model, timeout_s=60)
+    out = []
+    for m, counts in enumerate(COUNTS):
+        start = sum(counts[:rank])
+        mine = [microbatch(m, start + i) for i in range(counts[rank])]
+        total = sum(microbatch(m, i).numel() - 1 for i in range(sum(counts)))
+        losses = []
+        with odc.failure_guard():
+            for ids in mine:
+                loss = compute_path.fused_head_loss(model, {"input_ids": ids, "labels": ids}, total)
+                loss.backward()
+                losses.append(loss.item())
+        odc.finish_minibatch(sum(ids.numel() - 1 for ids in mine))
+        grads = {
+            n: full(p.grad) if p.grad is not None else torch.zeros(p.shape)
+            for n, p in model.named_parameters()
+        }
+        out.append({"grads": grads, "losses": losses})
+        model.zero_grad(set_to_none=True)
+        odc.publish()  # no optimizer step here: the same shards, published for the next minibatch's gathers
+    odc.close()
+    return out
+
+
+def test_fused_loss_equals_full_logits_under_odc_with_uneven_microbatch_counts():
+    ranks = run_ranks(_odc_fused_run, 2, timeout_s=240)
+    reference = tiny_qwen2()  # one process, full logits, every microbatch of the minibatch
+    for m, counts in enumerate(COUNTS):
+        batch = [microbatch(m, i) for i in range(sum(counts))]
+        total = sum(ids.numel() - 1 for ids in batch)
+        losses = []
+        for ids in batch:
+            loss = loss_sum(reference, ids) / total
+            loss.backward()
+            losses.append(loss.item())
+        want = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        reference.zero_grad(set_to_none=True)
+        got = ranks[0][m]["losses"] + ranks[1][m]["losses"]
+        # fp32 throughout: only the summation order differs (chunked logsumexp, per-rank accumulation)
+        assert got == pytest.approx(losses, rel=1e-5)
+        assert max_rel_error(ranks[0][m]["grads"], want) <= 1e-5, m
+        assert max_rel_error(ranks[1][m]["grads"], want) <= 1e-5, m
+
+
+def _trainer(tmp_path, args_cls=None, **kwargs):
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from odc_hf.integrations.trainer import ODCTrainer
+
+    cls = args_cls or TrainingArguments
+    args = cls(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kwargs)
+    data = Dataset.from_dict({"input_ids": [microbatch(0, i)[0].tolist() for i in range(4)]})
+    return ODCTrainer(
+        model=tiny_qwen2(), args=args, train_dataset=data, odc_config=ODCConfig(max_tokens_per_microbatch=64)
+    )
+
+
+def test_odc_trainer_uses_the_fused_head_and_owns_checkpointing(tmp_path):
+    trainer = _trainer(tmp_path)
+    path = trainer.odc_compute
+    assert (path.kernels, path.loss, path.fused_by_odc, path.checkpointing) == (
+        "none",
+        compute_path.TRL_FUSED_HEAD,
+        True,
+        "auto",
+    )
+    ids = microbatch(0, 1)
+    model = trainer.model
+    model.train()
+    loss = trainer.compute_loss(model, {"input_ids": ids, "labels": ids}, num_items_in_batch=torch.tensor(7))
+    want = loss_sum(model, ids) / 7  # full logits
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    trainer.get_train_dataloader()
+    assert (
+        path.checkpointed_layers == 0 and path.describe()["activation_checkpointing"] == "none (auto)"
+    )  # CPU
+    # the user's own gradient_checkpointing=True wins over "auto"; the Trainer applies it
+    user = _trainer(tmp_path, gradient_checkpointing=True)
+    assert user.odc_compute.checkpointing == "user" and user.args.gradient_checkpointing
+    with pytest.raises(ValueError, match="use_liger_kernel=True needs"):
+        _trainer(tmp_path, use_liger_kernel=True)
+
+
+def test_odc_sft_trainer_replaces_trl_default_checkpointing_with_auto(tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from odc_hf.data import default_tokenizer
+    from odc_hf.integrations.trl import ODCSFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
+    assert args.gradient_checkpointing  # TRL's default
+    data = Dataset.from_dict({"input_ids": [microbatch(0, i)[0].tolist() for i in range(4)]})
+    trainer = ODCSFTTrainer(model=tiny_qwen2(), args=args, train_dataset=data, processing_class=default_tokenizer(),
+                            odc_config=ODCConfig(activation_checkpointing="0.5", max_tokens_per_microbatch=64))  # fmt: skip
+    path = trainer.odc_compute
+    assert (path.loss, path.fused_by_odc, path.checkpointing) == (compute_path.TRL_FUSED_HEAD, False, "0.5")
+    assert not trainer.args.gradient_checkpointing  # odc_hf's setting wins, and the Trainer leaves it alone
+    trainer.get_train_dataloader()
+    assert path.describe()["activation_checkpointing"] == "selective 1/2"
+    flags = [layer.gradient_checkpointing for layer in compute_path.decoder_layers(trainer.model)]
+    assert flags == [False, True]
+
+
+def test_oom_names_the_policy_and_prediction():
+    path = compute_path.ComputePath(checkpointing="auto", checkpointed_layers=0, num_layers=28, tokens=32768,
+                                    predicted_peak_bytes=70 * GIB, device_bytes=80 * GIB)  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=r"'none \(auto\)'.*70.0 GiB at 32768 tokens.*80.0 GiB.*activation_checkpointing='full'",
+    ):
+        with compute_path.oom_guard(path):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    fake = SimpleNamespace()  # the guard leaves other errors alone
+    with pytest.raises(KeyError):
+        with compute_path.oom_guard(path):
+            raise KeyError(fake)
+
+
+assert VOCAB  # fsdp_helpers' tiny vocabulary: every id below is valid
