@@ -110,11 +110,23 @@ def load_checkpoint(model, opt, path: str) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+STARTED: dict[int, float] = {}
+"""``time.monotonic()`` at the start of each minibatch of the last ``distributed_run`` in this process."""
+
+
 def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", *, start=0, save_after=None,
-                    load_from=None, checkpoint_dir=None, max_norm=1.0, fail_rank=None):  # fmt: skip
+                    load_from=None, checkpoint_dir=None, max_norm=1.0, fail_rank=None, fail_mode="raise",
+                    mesh_shape=None, timeout_s=30):  # fmt: skip
     """FSDP2 on the tiny Qwen2 with ``mode`` "odc" (uneven microbatch counts) or "fsdp" (collectives; counts
-    padded to the max with zero-weighted microbatches). Returns rank 0's record of grads/norms/params."""
+    padded to the max with zero-weighted microbatches). Returns rank 0's record of grads/norms/params.
+
+    ``mesh_shape=(R, S)``: HSDP on a ``(replicate, shard)`` mesh (FSDP2's own all-reduce per microbatch in
+    "fsdp" mode). ``fail_rank`` raises (``fail_mode="raise"``) or dies (``"die"``) in minibatch 1."""
+    import os
+    import time
+
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from odc_hf.fsdp import install_odc, shard_model, sum_reduction
@@ -126,11 +138,14 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
         if policy == "bf16"
         else None
     )
-    shard_model(model, mp_policy=mp)
+    mesh = None
+    if mesh_shape is not None:
+        mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("replicate", "shard"))
+    shard_model(model, mp_policy=mp, mesh=mesh)
     opt = make_optimizer(model)
     odc = None
     if mode == "odc":
-        odc = install_odc(model, timeout_s=30)
+        odc = install_odc(model, timeout_s=timeout_s)
         odc.attach_optimizer(opt)
     else:
         sum_reduction(model)  # SUM, like ODC and the reference (gloo has no PREMUL_SUM)
@@ -147,12 +162,23 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
             pad = max(schedule(counts, m)) - len(mine)
             mine, weights = mine + [microbatch(m, 0)] * pad, weights + [0.0] * pad
         guard = odc.failure_guard() if odc is not None else _nullcontext()
+        if fail_rank is not None and m == 1:
+            # The failure below must hit ODC's waits, not this harness's collectives (snapshots, the clip) that
+            # slower ranks may still be in: a rank dying inside one of those fails its peers through that
+            # collective's own error. So everyone leaves minibatch 0 first.
+            dist.barrier()
+        STARTED[m] = time.monotonic()
         with guard:
             for i, (ids, w) in enumerate(zip(mine, weights)):
                 if fail_rank == rank and m == 1 and i == 0:
+                    time.sleep(1.0)  # mid-minibatch: the others are computing or already waiting in ODC
+                    if fail_mode == "die":
+                        os._exit(3)
                     raise RuntimeError("data loader exploded")
                 (loss_sum(model, ids) * w / total).backward()
         if odc is not None:
+            if mesh_shape is not None:
+                check_partial_reduce_outputs(odc)
             got = odc.finish_minibatch(tokens(mine))
             assert got == total, (got, total)
         grads = snapshot(model, grads=True)
@@ -166,6 +192,22 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
     if odc is not None:
         odc.close()
     return record if rank == 0 else None
+
+
+def check_partial_reduce_outputs(odc) -> None:
+    """HSDP: what FSDP2 keeps as its partial reduce-scatter output must be ODC's shared zero buffer, still zero
+    (no gradient memory of its own); on a shard group of one rank it is the accumulator itself (not checked)."""
+    from odc_hf.fsdp import internals
+
+    if odc.world_size == 1:
+        return
+    buffers = [b for b in odc._zero_outputs.values()]
+    for unit in odc.units:
+        kept = internals.partial_reduce_output(unit.param_group)
+        if kept is None:
+            continue  # no microbatch yet on this rank
+        assert any(kept.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers), unit.name
+        assert not kept.any(), f"{unit.name}: the zero buffer was written"
 
 
 def _nullcontext():

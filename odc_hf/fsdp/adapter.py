@@ -1,6 +1,6 @@
 """Install ODC on a ``fully_shard``-ed model and run its minibatch lifecycle.
 
-    model = ...  # fully_shard applied (by accelerate, or by odc_hf.fsdp.shard_model)
+    model = ...  # fully_shard applied (accelerate, odc_hf.fsdp.shard_model), 1-D or (replicate, shard) mesh
     odc = install_odc(model)                    # collective: registers every unit, publishes the shards
     odc.attach_optimizer(optimizer)             # publish() after every optimizer.step()
     for minibatch in loader:                    # each rank: its own number of microbatches, maybe zero
@@ -10,17 +10,22 @@
         clip_grad_norm_(...); optimizer.step(); optimizer.zero_grad()
 
 Gradients: every row of every reduce-scatter (this rank's own too) is added into its owner's fp32
-accumulator; ``finish_minibatch`` makes each ``param.grad`` a view of this rank's accumulator (no copy; ranks
-that ran no microbatch get theirs the same way). So gradients are valid from ``finish_minibatch`` until
+accumulator; ``finish_minibatch`` makes each trainable ``param.grad`` a view of this rank's accumulator (no copy;
+ranks that ran no microbatch get theirs the same way). So gradients are valid from ``finish_minibatch`` until
 ``publish()``, which zeroes the accumulators for the next minibatch; during the minibatch ``param.grad``
 reads as zeros. FSDP's own gradient division is switched off: the comm sees a plain SUM, so normalise the
-loss by the global token count.
+loss by the global token count. Frozen parameters get no gradient and no accumulator; their shards are
+published once.
+
+HSDP (a 2-D ``(replicate, shard)`` mesh): ODC runs within each shard group (one node), FSDP2's per-microbatch
+cross-replica all-reduce is switched off, and ``finish_minibatch`` sums each accumulator over the replicate
+group once (:mod:`odc_hf.transport.replicas`), before the gradients are exposed. On an R x 1 mesh (pure
+replication) there is nothing to gather or scatter: FSDP2 accumulates locally and that one all-reduce is all.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -28,123 +33,73 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from odc_hf.fsdp import internals
-from odc_hf.fsdp.hooks import ODCAllGather, ODCReduceScatter
-from odc_hf.transport import DEFAULT_TIMEOUT_S, ODCError, Transport, UnitSpec, make_transport
-
-
-@dataclasses.dataclass
-class ODCUnit:
-    """One FSDP unit under ODC: its params in FSDP's order, each with its offset in the unit's flat shard."""
-
-    name: str
-    module: FSDPModule
-    fsdp_params: list
-    offsets: list[int]
-    spec: UnitSpec
-    id: int
-    transport: Transport
-    owner: ODCHandle
-    rank: int
-    world_size: int
-
-
-def _validate_unit(name: str, module: FSDPModule, groups: list, world_size: int) -> list:
-    if len(groups) > 1:
-        raise NotImplementedError(
-            f"unit {name!r} has {len(groups)} FSDP param groups; ODC supports one per module"
-        )
-    group = groups[0]
-    mesh, post_forward = internals.mesh_info(group)
-    if mesh.mesh.ndim != 1:
-        raise NotImplementedError(
-            f"unit {name!r} is sharded on a {mesh.mesh.ndim}-D mesh (HSDP?); ODC needs a 1-D mesh"
-        )
-    if post_forward is not None and post_forward.shard_mesh_size != mesh.shard_mesh_size:
-        raise NotImplementedError(
-            f"unit {name!r} uses an integer reshard_after_forward; ODC supports True/False only"
-        )
-    if mesh.mesh.size() != world_size:
-        raise NotImplementedError(
-            f"unit {name!r} is sharded over {mesh.mesh.size()} ranks, the ODC group has {world_size}"
-        )
-    params = internals.fsdp_params(group)
-    for fp in params:
-        p = fp.sharded_param
-        if len(p.placements) != 1:
-            raise NotImplementedError(
-                f"unit {name!r}: parameter with placements {p.placements} (tensor parallel?)"
-            )
-        if fp.fsdp_placement.dim != 0:
-            raise NotImplementedError(
-                f"unit {name!r}: ODC supports Shard(0) parameters only, got {fp.fsdp_placement}"
-            )
-        if fp.offload_to_cpu:
-            raise NotImplementedError(f"unit {name!r}: CPU offload is not supported with ODC")
-        if not p.requires_grad:
-            raise NotImplementedError(
-                f"unit {name!r} holds a frozen parameter; put frozen parameters in their own unit or outside FSDP"
-            )
-    dtypes = internals.all_gather_dtype(group, params)
-    if len(dtypes) != 1:
-        raise NotImplementedError(f"unit {name!r} mixes parameter dtypes {dtypes}")
-    return params, dtypes.pop()
+from odc_hf.fsdp.hooks import ODCAllGather, ODCReduceScatter, ReplicaOnlyReduceScatter
+from odc_hf.fsdp.units import ODCUnit, Topology, find_units
+from odc_hf.transport import DEFAULT_TIMEOUT_S, ODCError, Transport, make_transport
+from odc_hf.transport.base import PeerFailedError, PeerTimeoutError
+from odc_hf.transport.control import group_ranks
+from odc_hf.transport.replicas import ReplicaSync
 
 
 class ODCHandle:
-    """The ODC state of one model: its units, the transport, and the minibatch lifecycle."""
+    """The ODC state of one model: its units, the transport(s), and the minibatch lifecycle."""
 
-    def __init__(self, model: torch.nn.Module, transport: Transport):
+    def __init__(self, model: torch.nn.Module, units: list[ODCUnit], topology: Topology,
+                 transport: Transport | None, replicas: ReplicaSync | None):  # fmt: skip
         self.model = model
+        self.units = units
+        for unit in units:
+            unit.owner = self
+        self.topology = topology
         self.transport = transport
-        self.rank, self.world_size = transport.rank, transport.world_size
-        self.units: list[ODCUnit] = []
+        """The one-sided transport over the shard group; ``None`` on a shard group of one rank (R x 1 mesh)."""
+        self.replicas = replicas
+        """The once-per-minibatch all-reduce over the replicate group; ``None`` without replicas."""
+        self.rank = dist.get_rank(topology.shard_group)
+        self.world_size = topology.shard_size
+        self.global_rank = dist.get_rank()
         self.minibatch = 0
         self.published = False
         self.reduces_unused_params = False
         self._zero_outputs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._closed = False
 
+    @property
+    def replicated(self) -> bool:
+        """Whether the mesh is 2-D (HSDP): FSDP2's cross-replica all-reduce is off and ODC's runs instead."""
+        return self.topology.replicate_group is not None
+
     # -- setup -------------------------------------------------------------------------------------
     def _install(self) -> None:
-        seen: set[int] = set()  # fully_shard([a, b, c]) makes three FSDPModules that share one param group
-        for name, module in self.model.named_modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            if getattr(module, "_odc_installed", False):
-                raise ODCError(f"ODC is already installed on {name or 'the root module'!r}")
-            groups = internals.param_groups(module)
-            module._odc_installed = True
-            if not groups or id(groups[0]) in seen:
-                continue  # owns no parameters (FSDP never calls its comms), or its group is already done
-            seen.add(id(groups[0]))
-            label = name or "<root>"
-            params, dtype = _validate_unit(label, module, groups, self.world_size)
-            offsets, total = [], 0
-            for fp in params:
-                offsets.append(total)
-                total += fp.padded_sharded_param_size.numel()
-            spec = UnitSpec(name=label, shard_numel=total, param_dtype=dtype)
-            unit = ODCUnit(label, module, params, offsets, spec, self.transport.register(spec), self.transport,
-                           self, self.rank, self.world_size)  # fmt: skip
-            module.set_custom_all_gather(ODCAllGather(unit))
-            module.set_custom_reduce_scatter(ODCReduceScatter(unit))
+        for unit in self.units:
+            module = unit.module
+            if self.transport is not None:
+                unit.id = self.transport.register(unit.spec)
+                module.set_custom_all_gather(ODCAllGather(unit))
+                module.set_custom_reduce_scatter(ODCReduceScatter(unit))
+            else:  # shard group of one: FSDP2 runs no all-gather / reduce-scatter comm
+                module.set_custom_reduce_scatter(ReplicaOnlyReduceScatter(unit))
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
+            if self.replicated:  # HSDP: ODC sums over the replicas once per minibatch instead
+                module.set_requires_all_reduce(False, recurse=False)
             if hasattr(module, "set_reduce_scatter_unused_params"):  # torch >= 2.12: keeps the layout fixed
                 module.set_reduce_scatter_unused_params(True, recurse=False)
                 self.reduces_unused_params = True
-            self.units.append(unit)
-        if not self.units:
-            raise ValueError(
-                "install_odc: the model has no FSDPModule with parameters; apply fully_shard first"
-            )
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module._odc_installed = True
+        if self.transport is not None and self.replicas is not None:
+            self.transport.control.remote_check = (
+                self.replicas.check
+            )  # a failure on another node ends our waits
 
     # -- hooks call these --------------------------------------------------------------------------
     def check_can_gather(self, unit: ODCUnit) -> None:
         if not self.published:
             raise ODCError(
-                f"rank {self.rank}: forward of unit {unit.name!r} in minibatch {self.minibatch} before publish(): "
-                "call odc.publish() after optimizer.step() (or odc.attach_optimizer(optimizer))"
+                f"rank {self.global_rank}: forward of unit {unit.name!r} in minibatch {self.minibatch} before "
+                "publish(): call odc.publish() after optimizer.step() (or odc.attach_optimizer(optimizer))"
             )
 
     def zero_output(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -152,29 +107,60 @@ class ODCHandle:
         key = (dtype, torch.device(device))
         buffer = self._zero_outputs.get(key)
         if buffer is None or buffer.numel() < numel:
-            largest = max(u.spec.shard_numel for u in self.units)
+            largest = max(u.spec.accum_numel for u in self.units)
             buffer = torch.zeros(max(numel, largest), dtype=dtype, device=device)
             self._zero_outputs[key] = buffer
         return buffer[:numel]
 
     # -- the minibatch lifecycle -------------------------------------------------------------------
+    def _accumulator(self, unit: ODCUnit) -> torch.Tensor:
+        """This rank's complete (within the shard group) fp32 gradient shard of ``unit``'s trainable params."""
+        if self.transport is not None:
+            return self.transport.accumulated(unit.id)
+        kept = internals.partial_reduce_output(unit.param_group)  # R x 1: FSDP2 accumulated it locally
+        if kept is not None:
+            unit.fallback = None
+            return kept
+        if unit.fallback is None:  # this rank has run no microbatch yet: its gradient is zero
+            unit.fallback = torch.zeros(unit.spec.accum_numel, dtype=torch.float32, device=self._device())
+        return unit.fallback
+
+    def _device(self) -> torch.device:
+        return self.units[0].slots[0].param.device
+
     @torch.no_grad()
     def finish_minibatch(self, local_tokens: float = 0.0) -> float:
-        """End the minibatch: wait for every rank, fold the accumulators into ``param.grad``.
+        """End the minibatch: wait for every rank, fold the accumulators into the trainable ``param.grad``.
 
-        ``local_tokens`` is summed over ranks and returned (use it as the loss normaliser, or pass 0).
+        ``local_tokens`` is summed over all ranks (every shard group) and returned: use it as the loss
+        normaliser, or pass 0.
         """
         if not self.published:
-            raise ODCError(f"rank {self.rank}: finish_minibatch() twice without publish() in between")
-        self.transport.minibatch = self.minibatch
-        total = self.transport.barrier(local_tokens, what="minibatch barrier")
-        for unit in self.units:
-            accumulated = self.transport.accumulated(unit.id)
-            for fp, offset in zip(unit.fsdp_params, unit.offsets):
-                param = fp.sharded_param
-                # Shard(0): the shard is contiguous at `offset` (relative to the accumulator, which may itself
+            raise ODCError(f"rank {self.global_rank}: finish_minibatch() twice without publish() in between")
+        total = float(local_tokens)
+        if self.transport is not None:
+            self.transport.minibatch = self.minibatch
+            try:
+                total = self.transport.barrier(total, what="minibatch barrier")
+            except (PeerFailedError, PeerTimeoutError) as err:
+                if self.replicas is not None:  # the other nodes cannot see this node's control block
+                    self.replicas.announce(str(err))
+                raise
+        trainable = [u for u in self.units if not u.spec.gather_only]
+        accumulators = [self._accumulator(u) for u in trainable]
+        if self.replicas is not None:
+            count = torch.tensor([total], dtype=torch.float64, device=self._device())
+            self.replicas.all_reduce(
+                [count, *accumulators], what="cross-replica all-reduce", minibatch=self.minibatch
+            )
+            total = float(count.item())
+        for unit, accumulated in zip(trainable, accumulators):
+            for slot in unit.trainable:
+                param = slot.param
+                # Shard(0): the shard is contiguous at its offset (relative to the accumulator, which may itself
                 # be a view with a storage offset: so no as_strided here).
-                local = accumulated.narrow(0, offset, fp.sharded_size.numel()).view(fp.sharded_size)
+                local = accumulated.narrow(0, slot.accum_offset, slot.fsdp_param.sharded_size.numel())
+                local = local.view(slot.fsdp_param.sharded_size)
                 if local.dtype != param.dtype:  # parameters kept in bf16: the gradient must match
                     local = local.to(param.dtype)
                 param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
@@ -184,22 +170,52 @@ class ODCHandle:
         return total
 
     @torch.no_grad()
-    def publish(self) -> None:
+    def publish(self, *, frozen: bool = True) -> None:
         """Write every unit's current shard (cast to the all-gather dtype) for peers to read, zero the
-        accumulators (ending the gradients' life), then synchronise once."""
+        accumulators (ending the gradients' life), then synchronise once.
+
+        ``frozen=False`` (what :meth:`attach_optimizer` does after each step) skips the frozen parameters:
+        their shards were published once and never change. Call ``publish()`` (all of them) after loading a
+        checkpoint.
+        """
         for unit in self.units:
+            if self.transport is None:  # R x 1: nothing to publish (no gathers), only the gradient to reset
+                kept = internals.partial_reduce_output(unit.param_group)
+                for accumulated in (kept, unit.fallback):
+                    if accumulated is not None:
+                        accumulated.zero_()
+                continue
             self.transport.reset_accumulator(unit.id)
             staging = self.transport.staging(unit.id)
-            for fp, offset in zip(unit.fsdp_params, unit.offsets):
-                local = fp.sharded_param.to_local().reshape(-1)
-                staging[offset : offset + local.numel()].copy_(local)
-        self.transport.minibatch = self.minibatch
-        self.transport.barrier(what="publish barrier")
+            as_bytes = unit.spec.param_dtype == torch.uint8
+            for slot in unit.slots:
+                if not (frozen or slot.trainable):
+                    continue
+                local = slot.param.to_local().reshape(-1)
+                if as_bytes:  # the unit gathers mixed dtypes as raw bytes
+                    local = local.view(torch.uint8)
+                staging[slot.gather_offset : slot.gather_offset + local.numel()].copy_(local)
+        if self.transport is not None:
+            self.transport.minibatch = self.minibatch
+            try:
+                self.transport.barrier(what="publish barrier")
+            except (PeerFailedError, PeerTimeoutError) as err:
+                if self.replicas is not None:
+                    self.replicas.announce(str(err))
+                raise
         self.published = True
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer):
-        """Publish after every ``optimizer.step()``; returns the hook handle."""
-        return optimizer.register_step_post_hook(lambda *_: self.publish())
+        """Publish (the trainable shards) after every ``optimizer.step()``; returns the hook handle."""
+        return optimizer.register_step_post_hook(lambda *_: self.publish(frozen=False))
+
+    # -- failures ----------------------------------------------------------------------------------
+    def abort(self, reason: str) -> None:
+        """Tell every peer (this node's through the control block, other nodes' through the store) at once."""
+        if self.transport is not None:
+            self.transport.abort(reason)
+        if self.replicas is not None:
+            self.replicas.announce(f"rank {self.global_rank} failed ({reason})")
 
     @contextlib.contextmanager
     def failure_guard(self):
@@ -207,20 +223,23 @@ class ODCHandle:
         try:
             yield self
         except BaseException as err:
-            self.transport.abort(f"{type(err).__name__}: {err}"[:400])
+            self.abort(f"{type(err).__name__}: {err}"[:400])
             raise
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.transport.close()
+            if self.transport is not None:
+                self.transport.close()
+            if self.replicas is not None:
+                self.replicas.close()
 
     def __enter__(self) -> ODCHandle:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is not None:
-            self.transport.abort(f"{exc_type.__name__}: {exc}"[:400])
+            self.abort(f"{exc_type.__name__}: {exc}"[:400])
         self.close()
 
 
@@ -232,14 +251,34 @@ def install_odc(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     shm_dir: str | None = None,
 ) -> ODCHandle:
-    """Collective: put ODC comms on every FSDP unit of ``model`` and publish the current parameters."""
-    world_size = dist.get_world_size(group)
-    if world_size < 2:
+    """Collective: put ODC comms on every FSDP unit of ``model`` and publish the current parameters.
+
+    ODC runs over FSDP's shard group, read from the units' mesh (the whole world on a 1-D mesh, one node's
+    ranks on a ``(replicate, shard)`` mesh). ``group`` / ``transport``, if given, must span exactly that group.
+    """
+    if not dist.is_initialized():
+        raise ValueError("install_odc needs torch.distributed initialised (init_process_group) first")
+    units, topology = find_units(model)
+    if topology.shard_size * topology.replicate_size < 2:
         raise ValueError("install_odc needs at least 2 ranks; with one there is nothing to communicate")
-    if transport is None:
+    shard_ranks = group_ranks(topology.shard_group)
+    if group is not None and group_ranks(group) != shard_ranks:
+        raise ValueError(
+            f"install_odc(group=...) spans ranks {group_ranks(group)}, but the model is sharded over ranks "
+            f"{shard_ranks} (mesh {topology.describe()}); leave group=None to use FSDP's shard group"
+        )
+    if transport is not None and transport.world_size != topology.shard_size:
+        raise ValueError(
+            f"install_odc(transport=...) spans {transport.world_size} ranks, but the model is sharded over "
+            f"{topology.shard_size} (mesh {topology.describe()})"
+        )
+    if transport is None and topology.shard_size > 1:
         device = next(model.parameters()).device
-        transport = make_transport(group, device=device, timeout_s=timeout_s, shm_dir=shm_dir)
-    handle = ODCHandle(model, transport)
+        transport = make_transport(topology.shard_group, device=device, timeout_s=timeout_s, shm_dir=shm_dir)
+    replicas = None
+    if topology.replicate_size > 1:
+        replicas = ReplicaSync(topology.shard_group, topology.replicate_group, timeout_s=timeout_s)
+    handle = ODCHandle(model, units, topology, transport, replicas)
     handle._install()
     handle.publish()
     return handle

@@ -43,6 +43,29 @@ def mesh_info(group):
     return group.mesh_info, group.post_forward_mesh_info
 
 
+def mesh_dims(info) -> tuple[int, int | None]:
+    """``(shard dim, replicate dim or None)`` of FSDP's data-parallel mesh: (0, None) FSDP, (1, 0) HSDP."""
+    return info.shard_mesh_dim, info.replicate_mesh_dim
+
+
+def uses_spmd_mesh(info) -> bool:
+    """torch >= 2.13: ``fully_shard(dp_mesh_dims=...)`` shards over named dims of a larger (e.g. TP) mesh."""
+    return bool(getattr(info, "is_spmd_mesh", False))
+
+
+def all_reduce_enabled(group) -> bool:
+    """Whether FSDP2 will all-reduce this group's gradients across replicas (HSDP) after each reduce-scatter;
+    ``FSDPModule.set_requires_all_reduce`` / ``set_requires_gradient_sync`` set it."""
+    return group.all_reduce_grads
+
+
+def partial_reduce_output(group):
+    """HSDP with ``set_requires_all_reduce(False)``: the reduce-scatter output FSDP2 keeps and adds later outputs
+    into (``None`` until the group's first reduce-scatter). Under ODC it must stay the shared zero buffer; on a
+    shard group of one rank (R x 1 mesh, no reduce-scatter hook runs) it *is* the gradient accumulator."""
+    return group._partial_reduce_output
+
+
 def all_gather_dtype(group, params: list) -> set:
     """The dtype(s) FSDP will all-gather in: the policy's ``param_dtype`` if set, else each parameter's own.
 

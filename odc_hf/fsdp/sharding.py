@@ -3,7 +3,8 @@
 Accelerate ignores FSDP on a CPU-only host, so on CPU odc_hf applies ``fully_shard`` itself with the same
 unit grouping: one unit per transformer block (the model's ``_no_split_modules`` classes), the input
 embedding alone when untied, a tail unit ``[final norm, (input embedding,) output embedding]`` with
-``reshard_after_forward=False``, and the root. Tests use it to compare ODC with plain FSDP2 on the same units.
+``reshard_after_forward=False``, and the root. Tests use it to compare ODC with plain FSDP2 on the same units. With a 2-D ``(replicate, shard)`` mesh it
+applies HSDP the same way.
 """
 
 from __future__ import annotations
@@ -39,7 +40,16 @@ def shard_model(
     reshard_after_forward: bool = True,
     block_classes: set[str] | None = None,
 ) -> torch.nn.Module:
-    """Apply ``fully_shard`` per block, to the embedding/tail units and to the root; returns the model."""
+    """Apply ``fully_shard`` per block, to the embedding/tail units and to the root; returns the model.
+
+    ``mesh``: ``None`` (every rank, 1-D), a 1-D mesh, or a 2-D ``(replicate, shard)`` mesh for HSDP, e.g.
+    ``init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))``.
+    """
+    if mesh is not None and mesh.ndim not in (1, 2):
+        raise NotImplementedError(
+            f"shard_model: a {mesh.ndim}-D mesh {mesh.mesh_dim_names}; FSDP2 and ODC take a 1-D (shard) or 2-D "
+            "(replicate, shard) data-parallel mesh. Tensor / context parallel dims are not supported with ODC."
+        )
     kwargs = {
         "mesh": mesh,
         "mp_policy": mp_policy or MixedPrecisionPolicy(),

@@ -7,12 +7,17 @@ registered unit a transport keeps, on every rank,
 * a **staging** buffer (``shard_numel`` elements of the parameter dtype): the owner *publishes* its shard
   there after each optimizer step, and peers read it with :meth:`Transport.gather` without the owner
   taking part;
-* an **accumulator** (fp32): peers add their gradient rows for this owner into it with
-  :meth:`Transport.scatter_accumulate`, again without the owner taking part; the owner collects it with
-  :meth:`Transport.take_accumulated` after the minibatch barrier.
+* an **accumulator** (fp32, ``accum_numel`` elements): peers add their gradient rows for this owner into it
+  with :meth:`Transport.scatter_accumulate`, again without the owner taking part; the owner collects it with
+  :meth:`Transport.take_accumulated` after the minibatch barrier. A unit registered with ``accum_numel=0``
+  is *gather-only* (frozen parameters): it has no accumulator at all.
 
-Layouts follow FSDP2's collectives: the input of a gather-like or reduce-scatter-like operation is a flat
-tensor of ``world_size * shard_numel`` elements, row ``r`` belonging to rank ``r``. Gather skips the caller's
+The two layouts may differ: a unit mixing frozen and trainable parameters gathers all of them but
+accumulates only the trainable ones (FSDP2 leaves frozen parameters out of its reduce-scatter).
+
+Layouts follow FSDP2's collectives: the input of a gather-like operation is a flat tensor of
+``world_size * shard_numel`` elements, that of a reduce-scatter-like one ``world_size * accum_numel``
+elements, row ``r`` belonging to rank ``r``. Gather skips the caller's
 own row (FSDP has already placed its own shard in the output); scatter-accumulate skips it unless
 ``include_self=True`` (the FSDP adapter passes that: its gradients live entirely in the accumulator).
 
@@ -45,18 +50,40 @@ class PeerTimeoutError(ODCError):
 
 @dataclass(frozen=True, kw_only=True)
 class UnitSpec:
-    """What a transport needs to know about a unit: its name (for errors), shard size and dtypes."""
+    """What a transport needs to know about a unit: its name (for errors), shard sizes and dtypes.
+
+    ``shard_numel`` elements of ``param_dtype`` are gathered (staging); ``accum_numel`` fp32 elements are
+    accumulated (default: ``shard_numel``; ``0``: a gather-only unit, which allocates no accumulator).
+    """
 
     name: str
     shard_numel: int
     param_dtype: torch.dtype
+    accum_numel: int | None = None
     accum_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         if self.shard_numel <= 0:
             raise ValueError(f"unit {self.name!r}: shard_numel must be positive, got {self.shard_numel}")
+        if self.accum_numel is None:
+            object.__setattr__(self, "accum_numel", self.shard_numel)  # frozen dataclass: set once, here
+        if self.accum_numel < 0:
+            raise ValueError(f"unit {self.name!r}: accum_numel must be >= 0, got {self.accum_numel}")
         if self.accum_dtype != torch.float32:
             raise ValueError(f"unit {self.name!r}: only float32 accumulators are supported")
+
+    @property
+    def gather_only(self) -> bool:
+        return self.accum_numel == 0
+
+
+@dataclass(frozen=True)
+class UnitBytes:
+    """Bytes a transport allocated for one unit on this rank (what the memory tests and reports read)."""
+
+    staging: int
+    accumulator: int
+    """Every fp32 byte kept for accumulation on this rank: one shard on CUDA, one slot per sender on CPU."""
 
 
 class Transport(abc.ABC):
@@ -88,6 +115,10 @@ class Transport(abc.ABC):
         return self._units[unit].staging[self.rank]
 
     @abc.abstractmethod
+    def nbytes(self, unit: int) -> UnitBytes:
+        """The bytes of the buffers this rank allocated for ``unit`` (read from the buffers themselves)."""
+
+    @abc.abstractmethod
     def gather(self, unit: int, output: torch.Tensor) -> None:
         """Fill every peer's row of ``output`` (``world_size * shard_numel``) from that peer's staging buffer.
 
@@ -96,7 +127,7 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def scatter_accumulate(self, unit: int, input: torch.Tensor, *, include_self: bool = False) -> None:
-        """Add row ``p`` of ``input`` (``world_size * shard_numel``, any float dtype) into rank ``p``'s accumulator.
+        """Add row ``p`` of ``input`` (``world_size * accum_numel``, any float dtype) into rank ``p``'s accumulator.
 
         The caller's own row is skipped unless ``include_self``. On CUDA the work is enqueued on the current
         stream, so the caller may reuse ``input`` after it on that stream. The owner sees the sums after the
@@ -114,12 +145,14 @@ class Transport(abc.ABC):
     def accumulated(self, unit: int) -> torch.Tensor:
         """This rank's accumulated fp32 shard, valid until :meth:`reset_accumulator` (on CUDA: the buffer itself).
 
-        Call it after the :meth:`barrier` that ends a minibatch and before any peer pushes again.
+        Call it after the :meth:`barrier` that ends a minibatch and before any peer pushes again. Gather-only
+        units have none (:class:`ODCError`).
         """
 
     @abc.abstractmethod
     def reset_accumulator(self, unit: int) -> None:
-        """Zero this rank's accumulator; a :meth:`barrier` must follow before any peer pushes again."""
+        """Zero this rank's accumulator (nothing for gather-only units); a :meth:`barrier` must follow before any
+        peer pushes again."""
 
     def take_accumulated(self, unit: int) -> torch.Tensor:
         """A copy of :meth:`accumulated`, then :meth:`reset_accumulator`."""
@@ -153,14 +186,23 @@ class Transport(abc.ABC):
         self.close()
 
 
-def check_rows(spec: UnitSpec, world_size: int, tensor: torch.Tensor, what: str) -> torch.Tensor:
-    """Validate a flat ``world_size * shard_numel`` tensor and view it as rows."""
-    expected = world_size * spec.shard_numel
+def check_rows(spec: UnitSpec, world_size: int, tensor: torch.Tensor, what: str, *, accumulate: bool = False
+               ) -> torch.Tensor:  # fmt: skip
+    """Validate a flat ``world_size * shard_numel`` tensor (``accum_numel`` with ``accumulate``) and view it as rows."""
+    if accumulate and spec.gather_only:
+        raise ODCError(f"{what} of unit {spec.name!r}: the unit is gather-only (registered with accum_numel=0)")
+    numel = spec.accum_numel if accumulate else spec.shard_numel
+    expected = world_size * numel
     if tensor.numel() != expected:
         raise ValueError(
-            f"{what} of unit {spec.name!r}: expected {world_size} x {spec.shard_numel} = {expected} elements, "
+            f"{what} of unit {spec.name!r}: expected {world_size} x {numel} = {expected} elements, "
             f"got {tensor.numel()}"
         )
     if not tensor.is_contiguous():
         raise ValueError(f"{what} of unit {spec.name!r}: tensor must be contiguous")
-    return tensor.view(world_size, spec.shard_numel)
+    return tensor.view(world_size, numel)
+
+
+def require_accumulator(spec: UnitSpec, what: str) -> None:
+    if spec.gather_only:
+        raise ODCError(f"{what} of unit {spec.name!r}: the unit is gather-only (registered with accum_numel=0)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -33,14 +34,33 @@ _MSG_LEN = _RECORD - _MSG_OFFSET
 _LIVENESS_PERIOD_S = 0.05
 
 
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order (errors name ranks by their global rank)."""
+    return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+
+
 def check_single_node(group: dist.ProcessGroup | None) -> None:
+    """Collective over ``group``: raise (on every rank) unless all its ranks run on one host."""
     hosts = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    if len(set(hosts)) > 1:
-        raise NotImplementedError(
-            f"odc_hf transports work within one node for now; ranks run on {sorted(set(hosts))}. "
-            "Multi-node ODC will come on NCCL/NVSHMEM."
-        )
+    if len(set(hosts)) == 1:
+        return
+    ranks = group_ranks(group)
+    by_host: dict[str, list[int]] = {}
+    for rank, host in zip(ranks, hosts):
+        by_host.setdefault(host, []).append(rank)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    world = dist.get_world_size()
+    known = local.isdigit() and int(local) > 0 and world % int(local) == 0
+    shape = f"({world // int(local)}, {local})" if known else "(nodes, ranks_per_node)"
+    raise NotImplementedError(
+        f"ODC's shard group spans several nodes (ranks by host: {by_host}), but its one-sided transfers work "
+        "within one node. Shard within each node and replicate across nodes (HSDP): "
+        f"fully_shard(mesh=init_device_mesh(device_type, {shape}, mesh_dim_names=('replicate', 'shard'))) "
+        "or odc_hf.fsdp.shard_model(model, mesh=...); with accelerate, ParallelismConfig("
+        "dp_replicate_size=<nodes>, dp_shard_size=<ranks per node>)"
+        + (f" (LOCAL_WORLD_SIZE={local} here)." if known else ".")
+    )
 
 
 class HostControl:
@@ -50,7 +70,11 @@ class HostControl:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.global_ranks = group_ranks(group)  # errors name global ranks (the group may be an HSDP shard group)
         self.timeout_s = float(timeout_s)
+        self.remote_check: Callable[[str], None] | None = None
+        """Called with the waiting rank's context every liveness period while waiting: raises when a rank
+        outside this node failed (the HSDP failure channel, :mod:`odc_hf.transport.replicas`)."""
         check_single_node(group)
         nbytes = self.world_size * _RECORD
         box: list = [None]
@@ -94,11 +118,14 @@ class HostControl:
     def _raise_if_peer_failed(self, where: str, lagging: list[int], check_pids: bool) -> None:
         for peer in np.flatnonzero(self._ints[:, _ABORTED]).tolist():
             if peer != self.rank:
-                raise PeerFailedError(f"rank {peer} failed ({self._abort_message(peer)}); {where}")
+                name = self.global_ranks[peer]
+                raise PeerFailedError(f"rank {name} failed ({self._abort_message(peer)}); {where}")
         if check_pids and self._check_pids:
             for peer in lagging:
                 if not shm_files.pid_alive(self.pids[peer]):
-                    raise PeerFailedError(f"rank {peer} (pid {self.pids[peer]}) died; {where}")
+                    raise PeerFailedError(f"rank {self.global_ranks[peer]} (pid {self.pids[peer]}) died; {where}")
+        if check_pids and self.remote_check is not None:
+            self.remote_check(where)
 
     # -- the barrier ------------------------------------------------------------------------------
     def barrier(self, count: float = 0.0, *, what: str = "barrier", minibatch: int | None = None) -> float:
@@ -117,13 +144,14 @@ class HostControl:
             now = time.monotonic()
             lagging = np.flatnonzero(epochs < epoch).tolist()
             mb = "" if minibatch is None else f" of minibatch {minibatch}"
-            where = f"rank {self.rank} was waiting in the {what}{mb}"
+            where = f"rank {self.global_ranks[self.rank]} was waiting in the {what}{mb}"
             self._raise_if_peer_failed(where, lagging, check_pids=now >= next_check)
             if now >= next_check:
                 next_check = now + _LIVENESS_PERIOD_S
             if now - start > self.timeout_s:
                 raise PeerTimeoutError(
-                    f"rank(s) {lagging} did not arrive within {self.timeout_s:g} s; {where}. "
+                    f"rank(s) {[self.global_ranks[r] for r in lagging]} did not arrive within {self.timeout_s:g} s; "
+                    f"{where}. "
                     "Raise the timeout (ODC_TIMEOUT_S) if they are just slow."
                 )
             # Yield first (barrier latency matters between microsecond-apart arrivals), then back off.

@@ -25,7 +25,14 @@ import torch
 import torch.distributed as dist
 
 from odc_hf.transport import shm_files
-from odc_hf.transport.base import DEFAULT_TIMEOUT_S, Transport, UnitSpec, check_rows
+from odc_hf.transport.base import (
+    DEFAULT_TIMEOUT_S,
+    Transport,
+    UnitBytes,
+    UnitSpec,
+    check_rows,
+    require_accumulator,
+)
 from odc_hf.transport.control import HostControl
 from odc_hf.version import require_torch
 
@@ -94,12 +101,13 @@ def atomic_accumulate(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class _Unit:
     def __init__(self, spec: UnitSpec, handle, rank: int, world_size: int, staging_bytes: int, nbytes: int):
-        numel = spec.shard_numel
+        numel, accum = spec.shard_numel, spec.accum_numel
         views = [handle.get_buffer(p, (nbytes,), torch.uint8) for p in range(world_size)]
         self.spec = spec
         self.handle = handle  # keeps the mappings alive
         self.staging = [v[:staging_bytes].view(spec.param_dtype)[:numel] for v in views]
-        self.accumulators = [v[staging_bytes : staging_bytes + numel * 4].view(torch.float32) for v in views]
+        # Gather-only units (accum == 0): empty accumulators, no bytes allocated for them.
+        self.accumulators = [v[staging_bytes : staging_bytes + accum * 4].view(torch.float32) for v in views]
         self.local = views[rank]
 
 
@@ -131,7 +139,7 @@ class CudaTransport(Transport):
 
     def register(self, spec: UnitSpec) -> int:
         staging_bytes = shm_files.align(spec.shard_numel * spec.param_dtype.itemsize)
-        nbytes = staging_bytes + spec.shard_numel * 4
+        nbytes = staging_bytes + spec.accum_numel * 4
         buffer = self._symm.empty(nbytes, dtype=torch.uint8, device=self.device)
         buffer.zero_()
         handle = self._symm.rendezvous(buffer, self.group)
@@ -140,6 +148,12 @@ class CudaTransport(Transport):
         self.control.barrier(what=f"registration of unit {spec.name!r}", minibatch=self.minibatch)
         self._units.append(unit)
         return len(self._units) - 1
+
+    def nbytes(self, unit: int) -> UnitBytes:
+        u = self._units[unit]
+        staging = u.staging[self.rank]
+        return UnitBytes(staging=staging.numel() * staging.element_size(),
+                         accumulator=u.accumulators[self.rank].numel() * 4)  # fmt: skip
 
     def gather(self, unit: int, output: torch.Tensor) -> None:
         u = self._units[unit]
@@ -150,7 +164,7 @@ class CudaTransport(Transport):
 
     def scatter_accumulate(self, unit: int, input: torch.Tensor, *, include_self: bool = False) -> None:
         u = self._units[unit]
-        rows = check_rows(u.spec, self.world_size, input, "scatter-accumulate input")
+        rows = check_rows(u.spec, self.world_size, input, "scatter-accumulate input", accumulate=True)
         for step in range(0 if include_self else 1, self.world_size):
             peer = (self.rank + step) % self.world_size
             atomic_accumulate(u.accumulators[peer], rows[peer])
@@ -160,6 +174,7 @@ class CudaTransport(Transport):
         return self.control.barrier(count, what=what, minibatch=self.minibatch)
 
     def accumulated(self, unit: int) -> torch.Tensor:
+        require_accumulator(self._units[unit].spec, "accumulated()")
         return self._units[unit].accumulators[self.rank]
 
     def reset_accumulator(self, unit: int) -> None:

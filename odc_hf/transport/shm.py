@@ -3,8 +3,9 @@
 Each rank owns one file per unit holding its staging buffer and ``world_size`` fp32 accumulator *slots*, one
 per sender. A sender only ever adds into its own slot of the owner's file, so no two processes write the same
 bytes (no locks, no atomics), and the owner sums the slots in rank order: accumulation is race-free and
-deterministic. The price is ``world_size`` fp32 copies of the shard per unit, i.e. the size of the unsharded
-model in fp32 — fine for the tests and laptops this backend is for.
+deterministic. The price is ``world_size`` fp32 copies of the (trainable) shard per unit, i.e. the size of the
+unsharded trainable model in fp32 — fine for the tests and laptops this backend is for. Gather-only units
+(``accum_numel=0``) have no slots.
 """
 
 from __future__ import annotations
@@ -13,22 +14,26 @@ import torch
 import torch.distributed as dist
 
 from odc_hf.transport import shm_files
-from odc_hf.transport.base import DEFAULT_TIMEOUT_S, Transport, UnitSpec, check_rows
+from odc_hf.transport.base import (
+    DEFAULT_TIMEOUT_S,
+    Transport,
+    UnitBytes,
+    UnitSpec,
+    check_rows,
+    require_accumulator,
+)
 from odc_hf.transport.control import HostControl
 
 
 class _Unit:
     def __init__(self, spec: UnitSpec, world_size: int, mappings: list[torch.Tensor]):
         self.spec = spec
-        numel = spec.shard_numel
+        numel, accum = spec.shard_numel, spec.accum_numel
         staging_bytes = shm_files.align(numel * spec.param_dtype.itemsize)
-        slot_bytes = numel * 4
         self.staging = [m[:staging_bytes].view(spec.param_dtype)[:numel] for m in mappings]
         # slots[owner][sender]: the fp32 accumulator that `sender` adds into for `owner`.
         self.slots = [
-            m[staging_bytes : staging_bytes + world_size * slot_bytes]
-            .view(torch.float32)
-            .view(world_size, numel)
+            m[staging_bytes : staging_bytes + world_size * accum * 4].view(torch.float32).view(world_size, accum)
             for m in mappings
         ]
         self.summed = False  # whether the owner has folded its slots since the last reset
@@ -36,7 +41,7 @@ class _Unit:
     @staticmethod
     def nbytes(spec: UnitSpec, world_size: int) -> int:
         staging_bytes = shm_files.align(spec.shard_numel * spec.param_dtype.itemsize)
-        return staging_bytes + world_size * spec.shard_numel * 4
+        return staging_bytes + world_size * spec.accum_numel * 4
 
 
 class ShmTransport(Transport):
@@ -79,6 +84,12 @@ class ShmTransport(Transport):
         self._units.append(_Unit(spec, self.world_size, mappings))
         return len(self._units) - 1
 
+    def nbytes(self, unit: int) -> UnitBytes:
+        u = self._units[unit]
+        staging = u.staging[self.rank]
+        slots = u.slots[self.rank]
+        return UnitBytes(staging=staging.numel() * staging.element_size(), accumulator=slots.numel() * 4)
+
     def gather(self, unit: int, output: torch.Tensor) -> None:
         u = self._units[unit]
         rows = check_rows(u.spec, self.world_size, output, "gather output")
@@ -88,7 +99,7 @@ class ShmTransport(Transport):
 
     def scatter_accumulate(self, unit: int, input: torch.Tensor, *, include_self: bool = False) -> None:
         u = self._units[unit]
-        rows = check_rows(u.spec, self.world_size, input, "scatter-accumulate input")
+        rows = check_rows(u.spec, self.world_size, input, "scatter-accumulate input", accumulate=True)
         for peer in range(self.world_size):
             if peer != self.rank or include_self:
                 u.slots[peer][self.rank].add_(rows[peer])
@@ -101,6 +112,7 @@ class ShmTransport(Transport):
         # the barrier and the reset nobody writes these slots, so doing it in place is race-free; the result
         # is a view into the shared file, like the CUDA transport's (which catches offset mistakes in tests).
         u = self._units[unit]
+        require_accumulator(u.spec, "accumulated()")
         slots = u.slots[self.rank]
         if not u.summed:
             own = slots[self.rank].clone()
