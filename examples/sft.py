@@ -105,7 +105,8 @@ def build_dataset(args, tokenizer, vocab_size: int):
     return Dataset.from_dict({"input_ids": ids})
 
 
-def main(argv=None) -> None:
+def main(argv=None):
+    """Train as the arguments say; returns the trainer."""
     args = parse_args(argv)
     from trl import SFTConfig
 
@@ -145,9 +146,12 @@ def main(argv=None) -> None:
                 {"microbatches": s.microbatches, "busy_s": s.busy_s, "wait_s": s.wait_s}
                 for s in trainer.odc_stats.steps
             ]
+            mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)  # fully_shard's (HSDP: 2-D)
             Path(args.losses_json).write_text(
                 json.dumps({"history": history, "summary": summary, "steps": steps,
-                            "attention_warm_up": trainer.odc_attention_warm_up}, indent=1)
+                            "attention_warm_up": trainer.odc_attention_warm_up,
+                            "mesh": mesh and {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names or ())}},
+                           indent=1)
             )
         world = trainer.accelerator.num_processes
         mode = (
@@ -160,6 +164,7 @@ def main(argv=None) -> None:
               f"tokens/s {summary.get('odc/tokens_per_s', 0):.0f}, bubble rate {summary.get('odc/bubble_rate', 0):.1%}, "
               f"microbatches per rank {summary.get('odc/microbatches_min', 0):.0f}-{summary.get('odc/microbatches_max', 0):.0f}; "
               f"timeline: {Path(args.output_dir) / 'odc_timeline.png'}", flush=True)  # fmt: skip
+    return trainer
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ with one) and ``odc_hf.prepare(accelerator, ...)`` alike. Passing the plugin swi
 any ``fsdp_plugin`` does; on GPUs accelerate's FSDP2 path shards the model (its unit grouping, tail unit included) and
 ODC is installed on the result. On a CPU-only host accelerate ignores FSDP and would wrap the model in DDP, so
 ODCAccelerator shards it itself with :func:`odc_hf.fsdp.shard_model` (the same grouping) and skips the DDP wrap: the
-real ODC path runs on laptops and in CI.
+real ODC path runs on laptops and in CI. HSDP (``ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)``, or
+``parallelism_config`` in the accelerate YAML) shards over the same ``(replicate, shard)`` mesh on both paths
+(:mod:`odc_hf.integrations.parallelism`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from accelerate.utils import DistributedType
 
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import ODCHandle, install_odc, is_sharded, shard_model, sum_reduction
+from odc_hf.integrations import parallelism
 from odc_hf.integrations.plugin import ODCFSDPPlugin, as_odc_plugin, refuse_other_engines
 
 logger = logging.getLogger(__name__)
@@ -67,11 +70,7 @@ def check_supported(accelerator: Accelerator) -> None:
             "config (accelerate_configs/odc.yaml), or build the accelerator as odc_hf.ODCAccelerator (its "
             "ODCFSDPPlugin switches accelerate to FSDP2)"
         )
-    pc = getattr(accelerator, "parallelism_config", None)
-    if pc is not None and any(
-        getattr(pc, f"{dim}_size", 1) > 1 for dim in ("tp", "cp", "sp", "dp_replicate")
-    ):
-        raise ValueError(f"odc_hf supports 1-D data-parallel sharding only; got {pc}")
+    # The mesh (data parallel only, 1-D or HSDP's 2-D, shard groups within a node) was checked by adopt().
 
 
 class ODCAccelerator(Accelerator):
@@ -86,8 +85,12 @@ class ODCAccelerator(Accelerator):
     def __init__(self, *args, fsdp_plugin=None, odc_config: ODCConfig | None = None, **kwargs):
         refuse_other_engines(kwargs.get("deepspeed_plugin"), kwargs.get("megatron_lm_plugin"))
         plugin = as_odc_plugin(fsdp_plugin, odc_config)
-        super().__init__(*args, fsdp_plugin=plugin, **kwargs)
-        adopt(self, plugin)
+        held = parallelism.take(kwargs.get("parallelism_config"), cpu=kwargs.get("cpu", False))
+        if held is not None:  # accelerate refuses a ParallelismConfig on CPU: odc_hf holds it (see parallelism.py)
+            kwargs["parallelism_config"] = None
+        with parallelism.hidden_from_accelerate(held is not None):
+            super().__init__(*args, fsdp_plugin=plugin, **kwargs)
+        adopt(self, plugin, parallelism_config=held)
 
     @property
     def odc_config(self) -> ODCConfig:
@@ -109,7 +112,7 @@ class ODCAccelerator(Accelerator):
             # CPU: accelerate would use DDP; shard it ourselves, with accelerate's unit grouping.
             names = {id(p): n for n, p in model.named_parameters()}
             model.to(self.device)
-            shard_model(model)
+            shard_model(model, mesh=parallelism.fsdp_mesh(self))  # HSDP: the (replicate, shard) mesh
             for opt in args:
                 if isinstance(opt, torch.optim.Optimizer):
                     _remap_optimizer(opt, names, model)
@@ -129,8 +132,9 @@ class ODCAccelerator(Accelerator):
             if isinstance(inner, torch.optim.Optimizer):
                 self.odc.attach_optimizer(inner)
         logger.info(
-            "odc_hf: ODC installed on %d units across %d ranks", len(self.odc.units), self.num_processes
-        )
+            "odc_hf: ODC installed on %d units across %d ranks (mesh %s)", len(self.odc.units), self.num_processes,
+            self.odc.topology.describe(),
+        )  # fmt: skip
         return prepared
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
@@ -143,15 +147,23 @@ class ODCAccelerator(Accelerator):
 
 
 def adopt(
-    accelerator: Accelerator, plugin: ODCFSDPPlugin | None = None, *, odc_config: ODCConfig | None = None
+    accelerator: Accelerator,
+    plugin: ODCFSDPPlugin | None = None,
+    *,
+    odc_config: ODCConfig | None = None,
+    parallelism_config=None,
 ) -> ODCAccelerator:
     """Turn an existing Accelerator (e.g. the one a ``Trainer`` built) into an :class:`ODCAccelerator` holding ``plugin``.
 
     ``plugin`` ``None``: the accelerator's own FSDP plugin (accelerate keeps one on FSDP launches) with ODC's options
     added, else a new :class:`ODCFSDPPlugin`; ``odc_config`` as in :func:`as_odc_plugin`. Only the class changes
     (ODCAccelerator adds no state beyond ``odc_plugin`` and ``odc``), so every setting the owner gave it stays. Call it
-    before ``prepare``.
+    before ``prepare``. ``parallelism_config``: on a CPU host, the ``ParallelismConfig`` odc_hf kept away from
+    accelerate's constructor (:mod:`odc_hf.integrations.parallelism`); its mesh is built here (a collective).
     """
+    if parallelism_config is not None:
+        parallelism.hold_on_cpu(accelerator, parallelism_config)
+    parallelism.check_topology(accelerator.parallelism_config, accelerator.num_processes)
     state_plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is None:
         plugin = as_odc_plugin(getattr(accelerator, "odc_plugin", None) or state_plugin, odc_config)

@@ -35,7 +35,7 @@ from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleL
 from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
 from odc_hf.integrations.plugin import as_odc_plugin, refuse_other_engines
 from odc_hf.integrations.stats import MicrobatchClock, RunStats, StepStats, document_lengths, plot_timeline
-from odc_hf.integrations import compute_path
+from odc_hf.integrations import compute_path, parallelism
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,12 @@ class ODCMixin:
         # Gradients are SUMS over ranks under ODC; the loss is already divided by the global token count.
         args.average_tokens_across_devices = False
         self.odc_plugin = None
-        super().create_accelerator_and_postprocess()
+        # HSDP on a CPU host: accelerate refuses a ParallelismConfig there; odc_hf builds its mesh (parallelism.py)
+        held = parallelism.take(args.parallelism_config, cpu=args.use_cpu)
+        if held is not None:
+            args.parallelism_config = None
+        with parallelism.hidden_from_accelerate(held is not None):
+            super().create_accelerator_and_postprocess()
         if self.odc_plugin is None:
             import transformers
 
@@ -143,7 +148,7 @@ class ODCMixin:
                 f"transformers {transformers.__version__}: Trainer.create_accelerator_and_postprocess no longer builds "
                 "its accelerator through Trainer._build_accelerator_args, where odc_hf gives it its ODCFSDPPlugin"
             )
-        adopt(self.accelerator, self.odc_plugin)
+        adopt(self.accelerator, self.odc_plugin, parallelism_config=held)
 
     def _build_accelerator_args(self, **kwargs):
         # The one way ODC's options reach an accelerator: an ODCFSDPPlugin (odc_hf/integrations/plugin.py), here the
@@ -195,6 +200,7 @@ class ODCMixin:
         self._odc_check_attention(budget)
         if self.odc_compute is not None:
             compute_path.plan(self, budget)  # activation checkpointing for this budget, before prepare()
+        # The data-parallel world is every process, HSDP's replicas included: each rank plans its own share.
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         sampler = ODCBatchSampler(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_minibatch_per_rank * world,
