@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate.parallelism_config import ParallelismConfig
 
 from odc_hf.integrations.parallelism import check_topology
@@ -53,12 +54,13 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def test_odc_hsdp_trainer_matches_fsdp2_hsdp_step_by_step(runs):
     odc, fsdp = runs["odc"], runs["fsdp"]
-    for run in (odc, fsdp):  # both sharded over accelerate's (dp_replicate, dp_shard) mesh, built from the YAML
+    # both sharded over accelerate's (dp_replicate, dp_shard) mesh, built from the YAML
+    for run in (odc, fsdp):
         assert run["mesh"] == {"shape": [2, 2], "names": ["dp_replicate", "dp_shard_cp"]}, run["mesh"]
     counts = [step["microbatches"] for step in odc["steps"]]  # per step: every rank's microbatch count
     assert len(counts) == STEPS and all(len(c) == 4 for c in counts)
     assert sum(len(set(c)) > 1 for c in counts) >= 2, counts  # uneven counts, across the replicas too
-    assert all(len(set(step["microbatches"])) == 1 for step in fsdp["steps"])  # LB-Micro: collectives need equal
+    assert all(len(set(step["microbatches"])) == 1 for step in fsdp["steps"])  # LB-Micro: equal counts
     assert len(odc["history"]) == len(fsdp["history"]) == STEPS
     for a, b in zip(odc["history"], fsdp["history"], strict=True):
         # fp32; the same gradient terms summed in another order (one-sided accumulation per node, then one
@@ -73,11 +75,16 @@ def test_odc_hsdp_trainer_resumes_exactly(runs):
     assert (checkpoint / "odc_optimizer").is_dir(), "the optimizer is saved shard by shard (DCP)"
     first, resumed = runs["odc"], runs["resumed"]
     assert len(resumed["steps"]) == STEPS - CHECKPOINT_STEP  # only steps 6-10 ran
-    assert [s["microbatches"] for s in resumed["steps"]] == [s["microbatches"] for s in first["steps"][CHECKPOINT_STEP:]]
+    assert [s["microbatches"] for s in resumed["steps"]] == [
+        s["microbatches"] for s in first["steps"][CHECKPOINT_STEP:]
+    ]
     before = {h["step"]: h for h in first["history"]}
     for h in resumed["history"]:
         if h["step"] > CHECKPOINT_STEP:  # the same processes, plans and arithmetic: bit for bit
-            assert (h["loss"], h["grad_norm"]) == (before[h["step"]]["loss"], before[h["step"]]["grad_norm"]), h
+            assert (h["loss"], h["grad_norm"]) == (
+                before[h["step"]]["loss"],
+                before[h["step"]]["grad_norm"],
+            ), h
 
 
 # -- refusals, before accelerate builds anything -------------------------------------------------------------------
@@ -85,7 +92,9 @@ def test_odc_hsdp_trainer_resumes_exactly(runs):
 
 def test_shard_groups_must_lie_within_a_node():
     for shape, local in (((2, 2), 2), ((2, 2), 4), ((1, 4), 4), ((4, 2), 4), ((2, 8), 8)):
-        check_topology(ParallelismConfig(dp_replicate_size=shape[0], dp_shard_size=shape[1]), shape[0] * shape[1], local)
+        check_topology(
+            ParallelismConfig(dp_replicate_size=shape[0], dp_shard_size=shape[1]), shape[0] * shape[1], local
+        )
     check_topology(None, 8, 8)  # one node, 1-D: fine
     check_topology(None, 16, None)  # node layout unknown: left to install_odc's host-name check
     with pytest.raises(ValueError) as err:
@@ -93,9 +102,12 @@ def test_shard_groups_must_lie_within_a_node():
     message = str(err.value)
     assert "within one node" in message and "2 nodes of 8" in message, message
     assert "dp_replicate_size: 2 and dp_shard_size: 8" in message and "odc_hsdp.yaml" in message, message
-    with pytest.raises(ValueError, match=r"no parallelism_config: one group over every process.*dp_replicate_size: 2"):
+    with pytest.raises(
+        ValueError, match=r"no parallelism_config: one group over every process.*dp_replicate_size: 2"
+    ):
         check_topology(None, 16, 8)  # a multi-node launch of the single-node config
-    with pytest.raises(ValueError, match="groups of 3"):  # 3 does not divide a node of 4: a group straddles two
+    # 3 does not divide a node of 4: a group straddles two nodes
+    with pytest.raises(ValueError, match="groups of 3"):
         check_topology(ParallelismConfig(dp_replicate_size=4, dp_shard_size=3), 12, 4)
 
 
@@ -140,10 +152,97 @@ def test_hsdp_yaml_launches_two_nodes_of_eight_as_a_2x8_mesh():
     assert args.rdzv_endpoint == "10.0.0.1:29500"
     assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
     assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
-    assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "8")
-    check_topology(ParallelismConfig(dp_replicate_size=2, dp_shard_size=8), 16, 8)  # accepted: a node per group
+    assert _mesh_sizes(env) == ("2", "8")
+    check_topology(ParallelismConfig(dp_replicate_size=2, dp_shard_size=8), 16, 8)  # accepted
 
-    args, _, _ = _validate_launch_command(parser.parse_args(["--config_file", str(ROOT / "accelerate_configs/cpu_hsdp.yaml"), "train.py"]))
+    args, _, _ = _validate_launch_command(
+        parser.parse_args(["--config_file", str(ROOT / "accelerate_configs/cpu_hsdp.yaml"), "train.py"])
+    )
     env = prepare_multi_gpu_env(args)
     assert args.nproc_per_node == "4"
-    assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "2")
+    assert _mesh_sizes(env) == ("2", "2")
+
+
+def _mesh_sizes(env: dict) -> tuple[str, str]:
+    return env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]
+
+
+# -- the GPU path's checkpoints: accelerate's FSDP2 sharded state dict (DCP), on the 2-D mesh --------------------
+
+
+def _accelerate_sharded_checkpoint(rank, world_size, directory):
+    """Train one minibatch under ODC on accelerate's (dp_replicate, dp_shard_cp) mesh, save with accelerate's
+    save_fsdp_model / save_fsdp_optimizer (what the Trainer calls on FSDP launches, SHARDED_STATE_DICT as in
+    odc_hsdp.yaml), train another; then a fresh model + optimizer + ODC install loads with load_fsdp_model /
+    load_fsdp_optimizer and trains the same minibatch. Returns both results (full parameters, rank 0)."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from accelerate import PartialState
+    from accelerate.utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
+    from fsdp_helpers import (
+        all_microbatches,
+        full,
+        loss_sum,
+        make_optimizer,
+        rank_microbatches,
+        tiny_qwen2,
+        tokens,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from odc_hf import ODCFSDPPlugin
+    from odc_hf.fsdp import install_odc, shard_model
+
+    PartialState(cpu=True)  # accelerate's logging, used by those functions, needs its state
+    counts = (3, 1, 0, 2)  # rotated per minibatch: uneven, and a rank with none
+    plugin = ODCFSDPPlugin(state_dict_type="SHARDED_STATE_DICT")
+    accelerator = SimpleNamespace(process_index=rank, num_processes=world_size, is_main_process=rank == 0,
+                                  is_fsdp2=True, wait_for_everyone=dist.barrier)  # what those functions read  # fmt: skip
+
+    def build():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+        model = shard_model(tiny_qwen2(), mesh=mesh)
+        optimizer = make_optimizer(model)
+        odc = install_odc(model, timeout_s=60)
+        odc.attach_optimizer(optimizer)
+        return model, optimizer, odc
+
+    def train(model, optimizer, odc, m):
+        total = tokens(all_microbatches(counts, m))
+        mine = rank_microbatches(counts, m, rank)
+        for ids in mine:
+            (loss_sum(model, ids) / total).backward()
+        odc.finish_minibatch(tokens(mine))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        return {name: full(p) for name, p in model.named_parameters()}
+
+    model, optimizer, odc = build()
+    train(model, optimizer, odc, 0)
+    save_fsdp_model(plugin, accelerator, model, directory)
+    save_fsdp_optimizer(plugin, accelerator, optimizer, model, directory)
+    uninterrupted = train(model, optimizer, odc, 1)
+    odc.close()
+    model, optimizer, odc = build()
+    load_fsdp_model(plugin, accelerator, model, directory)
+    load_fsdp_optimizer(plugin, accelerator, optimizer, model, directory)
+    odc.publish()  # what the ODC trainers' callback does at train begin: peers read the loaded shards
+    resumed = train(model, optimizer, odc, 1)
+    odc.close()
+    return (uninterrupted, resumed) if rank == 0 else None
+
+
+def test_accelerate_sharded_checkpoint_resumes_exactly_on_the_hsdp_mesh(tmp_path):
+    from odc_hf.testing import run_ranks
+
+    started = time.monotonic()
+    uninterrupted, resumed = run_ranks(
+        _accelerate_sharded_checkpoint, 4, str(tmp_path / "ckpt"), timeout_s=300
+    )[0]
+    print(f"4-rank accelerate checkpoint round trip: {time.monotonic() - started:.1f} s")
+    assert uninterrupted.keys() == resumed.keys()
+    for name, value in uninterrupted.items():  # same shards, optimizer state and arithmetic: bit for bit
+        assert torch.equal(value, resumed[name]), name

@@ -86,7 +86,7 @@ class ODCAccelerator(Accelerator):
         refuse_other_engines(kwargs.get("deepspeed_plugin"), kwargs.get("megatron_lm_plugin"))
         plugin = as_odc_plugin(fsdp_plugin, odc_config)
         held = parallelism.take(kwargs.get("parallelism_config"), cpu=kwargs.get("cpu", False))
-        if held is not None:  # accelerate refuses a ParallelismConfig on CPU: odc_hf holds it (see parallelism.py)
+        if held is not None:  # accelerate refuses it on CPU: odc_hf holds it (parallelism.py)
             kwargs["parallelism_config"] = None
         with parallelism.hidden_from_accelerate(held is not None):
             super().__init__(*args, fsdp_plugin=plugin, **kwargs)

@@ -26,7 +26,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.parallelism_config import ParallelismConfig
 
-_USE_VARIABLE = "ACCELERATE_USE_PARALLELISM_CONFIG"  # set by `accelerate launch` when the YAML has parallelism_config
+# set by `accelerate launch` when the YAML has a parallelism_config section
+_USE_VARIABLE = "ACCELERATE_USE_PARALLELISM_CONFIG"
 _HSDP_CONFIG = "accelerate_configs/odc_hsdp.yaml"
 
 
@@ -42,7 +43,11 @@ def requested(given: ParallelismConfig | None = None) -> ParallelismConfig | Non
 
 def cpu_host(cpu: bool = False) -> bool:
     """Whether accelerate will run this process as a CPU rank (``cpu=True``, ``ACCELERATE_USE_CPU``, or no GPU)."""
-    return cpu or os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true" or not torch.cuda.is_available()
+    return (
+        cpu
+        or os.environ.get("ACCELERATE_USE_CPU", "false").lower() == "true"
+        or not torch.cuda.is_available()
+    )
 
 
 def take(given: ParallelismConfig | None = None, *, cpu: bool = False) -> ParallelismConfig | None:
@@ -97,7 +102,9 @@ def _local_world_size() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def check_topology(config: ParallelismConfig | None, world_size: int, local_world_size: int | None = None) -> None:
+def check_topology(
+    config: ParallelismConfig | None, world_size: int, local_world_size: int | None = None
+) -> None:
     """Refuse, with what to set instead, a layout ODC cannot run: tensor / context / sequence parallel dims (a 3-D
     or larger mesh), replication without sharding, or a shard group that spans nodes.
 
@@ -143,4 +150,12 @@ def check_topology(config: ParallelismConfig | None, world_size: int, local_worl
     )
 
 
-__all__ = ["check_topology", "cpu_host", "fsdp_mesh", "hidden_from_accelerate", "hold_on_cpu", "requested", "take"]
+__all__ = [
+    "check_topology",
+    "cpu_host",
+    "fsdp_mesh",
+    "hidden_from_accelerate",
+    "hold_on_cpu",
+    "requested",
+    "take",
+]
