@@ -5,6 +5,8 @@
         --workload longalign --max_tokens_per_microbatch 32768 --bf16 --gradient_checkpointing
     accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara     # where a hub is reachable
+    accelerate launch --config_file accelerate_configs/odc_hsdp.yaml --machine_rank 0 --main_process_ip 10.0.0.1 \
+        examples/sft.py ...             # 2 nodes x 8 GPUs (HSDP), on each node: docs/multi_node.md
 
 Defaults need no network: a tiny Qwen2-architecture model built from a config, a byte-level BPE trained on the
 Python standard library's sources, and those sources as documents (a naturally long-tailed length mix).

@@ -151,7 +151,7 @@ def adopt(
     plugin: ODCFSDPPlugin | None = None,
     *,
     odc_config: ODCConfig | None = None,
-    parallelism_config=None,
+    parallelism_config: parallelism.ParallelismConfig | None = None,
 ) -> ODCAccelerator:
     """Turn an existing Accelerator (e.g. the one a ``Trainer`` built) into an :class:`ODCAccelerator` holding ``plugin``.
 
