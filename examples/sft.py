@@ -152,7 +152,7 @@ def main(argv=None):
             Path(args.losses_json).write_text(
                 json.dumps({"history": history, "summary": summary, "steps": steps,
                             "attention_warm_up": trainer.odc_attention_warm_up,
-                            "mesh": mesh and {"shape": list(mesh.shape), "names": list(mesh.mesh_dim_names or ())}},
+                            "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}},
                            indent=1)
             )
         world = trainer.accelerator.num_processes

@@ -56,7 +56,9 @@ def test_odc_hsdp_trainer_matches_fsdp2_hsdp_step_by_step(runs):
     odc, fsdp = runs["odc"], runs["fsdp"]
     # both sharded over accelerate's (dp_replicate, dp_shard) mesh, built from the YAML
     for run in (odc, fsdp):
-        assert run["mesh"] == {"shape": [2, 2], "names": ["dp_replicate", "dp_shard_cp"]}, run["mesh"]
+        # rows are the shard groups ("nodes"), columns the replicate groups
+        expected = {"ranks": [[0, 1], [2, 3]], "names": ["dp_replicate", "dp_shard_cp"]}
+        assert run["mesh"] == expected, run["mesh"]
     counts = [step["microbatches"] for step in odc["steps"]]  # per step: every rank's microbatch count
     assert len(counts) == STEPS and all(len(c) == 4 for c in counts)
     assert sum(len(set(c)) > 1 for c in counts) >= 2, counts  # uneven counts, across the replicas too
