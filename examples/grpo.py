@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--use_peft", action="store_true", help="train LoRA adapters (peft) instead of the whole model")
+    p.add_argument("--lora_r", type=int, default=8, help="LoRA rank (with --use_peft), on q_proj and v_proj")
     p.add_argument("--report_to", default="none")
     p.add_argument(
         "--fixed_rollouts", action="store_true", help="deterministic completions instead of generate()"
@@ -153,6 +155,14 @@ def train_one(args, loss_type: str, tokenizer, dataset):
     )  # fmt: skip
     kwargs = dict(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
                   processing_class=tokenizer)  # fmt: skip
+    if args.use_peft:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0,
+                                           target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")  # fmt: skip
+    # TRL draws the LoRA weights in __init__, before the Trainer seeds: seed here so every rank and both trainers
+    # start from the same adapter.
+    torch.manual_seed(args.seed)
     if args.fixed_rollouts:
         kwargs["rollout_func"] = fixed_rollouts(tokenizer, args.max_completion_length)
     if args.trainer == "odc":

@@ -5,6 +5,8 @@
         --workload longalign --max_tokens_per_microbatch 32768 --bf16 --gradient_checkpointing
     accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara     # where a hub is reachable
+    accelerate launch --config_file accelerate_configs/odc_hsdp.yaml --machine_rank 0 --main_process_ip 10.0.0.1 \
+        examples/sft.py ...             # 2 nodes x 8 GPUs (HSDP), on each node: docs/multi_node.md
 
 Defaults need no network: a tiny Qwen2-architecture model built from a config, a byte-level BPE trained on the
 Python standard library's sources, and those sources as documents (a naturally long-tailed length mix).
@@ -109,7 +111,8 @@ def build_dataset(args, tokenizer, vocab_size: int):
     return Dataset.from_dict({"input_ids": ids})
 
 
-def main(argv=None) -> None:
+def main(argv=None):
+    """Train as the arguments say; returns the trainer."""
     args = parse_args(argv)
     from odc_hf import ODCConfig, ODCSFTConfig, ODCSFTTrainer
     from odc_hf.data import default_tokenizer
@@ -148,9 +151,12 @@ def main(argv=None) -> None:
                 {"microbatches": s.microbatches, "busy_s": s.busy_s, "wait_s": s.wait_s}
                 for s in trainer.odc_stats.steps
             ]
+            mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)  # fully_shard's (HSDP: 2-D)
             Path(args.losses_json).write_text(
                 json.dumps({"history": history, "summary": summary, "steps": steps,
-                            "attention_warm_up": trainer.odc_attention_warm_up}, indent=1)
+                            "attention_warm_up": trainer.odc_attention_warm_up,
+                            "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}},
+                           indent=1)
             )
         world = trainer.accelerator.num_processes
         mode = (
@@ -164,6 +170,7 @@ def main(argv=None) -> None:
               f"tokens/s {summary.get('odc/tokens_per_s', 0):.0f}, bubble rate {summary.get('odc/bubble_rate', 0):.1%}, "
               f"microbatches per rank {summary.get('odc/microbatches_min', 0):.0f}-{summary.get('odc/microbatches_max', 0):.0f}; "
               f"timeline: {Path(args.output_dir) / 'odc_timeline.png'}", flush=True)  # fmt: skip
+    return trainer
 
 
 if __name__ == "__main__":

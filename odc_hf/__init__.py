@@ -14,6 +14,7 @@ _LAZY = {
     "ODCAccelerator": "odc_hf.integrations.accelerator",
     "prepare": "odc_hf.integrations.accelerator",
     "failure_guard": "odc_hf.integrations.failures",
+    "ODCFSDPPlugin": "odc_hf.integrations.plugin",
     "ODCMixin": "odc_hf.integrations.trainer",
     "ODCTrainer": "odc_hf.integrations.trainer",
     "make_odc_trainer": "odc_hf.integrations.trainer",

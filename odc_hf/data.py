@@ -14,6 +14,7 @@ installed Python, so different Python versions give different (cached separately
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import hashlib
@@ -35,6 +36,7 @@ except ImportError:  # Windows
     fcntl = None
 
 __all__ = [
+    "default_conversations",
     "default_documents",
     "default_tokenizer",
     "default_text_dataset",
@@ -190,6 +192,34 @@ def default_text_dataset(
     when fewer than ``num_samples`` documents remain.
     """
     return datasets.Dataset.from_dict({"text": _samples(num_samples, min_chars, max_chars, seed)})
+
+
+def default_conversations(num_samples: int = 64, *, max_chars: int = 1500, seed: int = 0) -> list[dict]:
+    """Real-text chat samples for TRL's conversational format: ``{"messages": [user, assistant]}``.
+
+    From the standard library's modules with a docstring: the user shows the first lines of a module's code after
+    its docstring (up to ~``max_chars / 3`` characters) and asks for the docstring; the assistant answers with it
+    (cut to ``max_chars``). Both sides are text that ships with Python; cycled when fewer modules qualify.
+    """
+    pairs = []
+    for doc in default_documents(seed=seed):
+        try:
+            module = ast.parse(doc)
+        except (SyntaxError, ValueError):
+            continue
+        docstring = ast.get_docstring(module)
+        if not docstring or len(docstring) < 80 or len(module.body) < 2:
+            continue
+        code = "\n".join(ast.get_source_segment(doc, node) or "" for node in module.body[1:6])
+        code = code[: max_chars // 3]
+        question = f"Write the docstring of the Python module that begins with:\n```python\n{code}\n```"
+        pairs.append({"messages": [{"role": "user", "content": question},
+                                   {"role": "assistant", "content": docstring[:max_chars]}]})  # fmt: skip
+        if len(pairs) == num_samples:
+            break
+    if not pairs:
+        raise RuntimeError("no stdlib module with a docstring was found")
+    return [pairs[i % len(pairs)] for i in range(num_samples)]
 
 
 def _samples(num_samples: int, min_chars: int, max_chars: int | None, seed: int) -> list[str]:

