@@ -19,6 +19,7 @@ _LAZY = {
     "ODCSFTTrainer": "odc_hf.integrations.trl",
     "ODCGRPOTrainer": "odc_hf.integrations.grpo",
     "patch_trl": "odc_hf.integrations.trl",
+    "unpatch_trl": "odc_hf.integrations.trl",
     "ODCTrainingArguments": "odc_hf.integrations.arguments",
     "ODCSFTConfig": "odc_hf.integrations.arguments",
     "make_odc_arguments": "odc_hf.integrations.arguments",
