@@ -58,6 +58,7 @@ def test_bad_boundaries_are_an_error():
     assert document_bounds(torch.tensor([0, 0, 2, 4]), 4) == [(0, 2), (2, 4)]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flash varlen kernel)")
 def test_cuda_varlen_kernel_matches_per_document_sdpa():
     import odc_hf.attention as attention

@@ -13,7 +13,7 @@ from odc_hf.testing import run_ranks
 from odc_hf.transport import UnitSpec, make_transport, shm_files
 from odc_hf.transport.base import PeerFailedError, PeerTimeoutError
 
-BACKENDS = ["cpu", "cuda"]
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # GPU runs: tests/README.md
 
 
 def _skip_unless(backend: str, world_size: int) -> None:
