@@ -152,6 +152,11 @@ class ODCMixin:
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
 
+    odc_sampler_class: type[ODCBatchSampler] = ODCBatchSampler
+    """The batch sampler that cuts each epoch into global minibatches and plans every step over the ranks. Set a
+    subclass (overriding ``plan(step)``, say) on your trainer class to plan differently; every rank must get the same
+    plans from the same arguments, without communicating."""
+
     # -- setup -------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
         self.args = args = copy.copy(self.args)  # the user's object stays as they made it
@@ -205,7 +210,7 @@ class ODCMixin:
         budget = self.odc_config.max_tokens_per_microbatch or max(lengths)
         self._odc_check_attention(budget)
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        sampler = ODCBatchSampler(
+        sampler = self.odc_sampler_class(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_minibatch_per_rank * world,
             max_tokens_per_microbatch=budget, mode=self.odc_config.balance, cost_model=self._odc_cost_model(),
             seed=self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last,
