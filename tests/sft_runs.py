@@ -92,7 +92,7 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
                           processing_class=tokenizer,
                           odc_config=ODCConfig(balance="lb_mini", max_tokens_per_microbatch=BUDGET, timeout_s=300))  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
-    return {"history": _history(trainer), "microbatches": [s.microbatches for s in trainer.odc_stats.steps],
+    return {"history": trainer_history(trainer), "microbatches": [s.microbatches for s in trainer.odc_stats.steps],
             "odc": trainer.odc is not None, "world": trainer.accelerator.num_processes}  # fmt: skip
 
 
@@ -112,10 +112,10 @@ def run_trl(out: Path, *, save_steps: int) -> dict:
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     assert trainer.accelerator.num_processes == 1
     trainer.train()
-    return {"history": _history(trainer)}
+    return {"history": trainer_history(trainer)}
 
 
-def _history(trainer) -> list[dict]:
+def trainer_history(trainer) -> list[dict]:
     return [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]}
             for h in trainer.state.log_history if "loss" in h]  # fmt: skip
 
@@ -153,32 +153,43 @@ ROOT = Path(__file__).resolve().parents[1]
 LOSS_RTOL, GRAD_NORM_RTOL = 2e-6, 5e-5
 
 
-def _env() -> dict:
+def launch_env() -> dict:
+    """What the runs' processes need: this checkout importable, one thread each, offline."""
     import os
 
     return {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
 
-def odc_run(out: Path, *args: str) -> dict:
-    """The ODC run on 2 CPU processes (``accelerate launch``); its losses.json."""
+def two_processes(script: str, *args) -> None:
+    """``accelerate launch`` of ``tests/<script>`` on 2 CPU processes (accelerate_configs/cpu.yaml)."""
     from odc_hf.testing import accelerate_cpu
 
-    proc = accelerate_cpu(ROOT / "tests/sft_runs.py", "odc", out, *args, env=_env())
+    proc = accelerate_cpu(ROOT / "tests" / script, *args, env=launch_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads((out / "losses.json").read_text())
 
 
-def trl_reference(out: Path, *args: str) -> dict:
-    """TRL's SFTTrainer in one plain process (no launcher, no distribution); its losses.json."""
+def one_process(script: str, *args) -> None:
+    """``python tests/<script>`` in one plain process: no launcher, no process group."""
     import os
     import subprocess
     import sys
 
-    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}, **_env()}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/sft_runs.py"), "trl", str(out), *args], env=env,
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}, **launch_env()}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / script), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def odc_run(out: Path, *args: str) -> dict:
+    """The ODC run on 2 CPU processes; its losses.json."""
+    two_processes("sft_runs.py", "odc", out, *args)
+    return json.loads((out / "losses.json").read_text())
+
+
+def trl_reference(out: Path, *args: str) -> dict:
+    """TRL's SFTTrainer in one plain process; its losses.json."""
+    one_process("sft_runs.py", "trl", out, *args)
     return json.loads((out / "losses.json").read_text())
 
 
