@@ -1,9 +1,12 @@
-"""ODCSFTTrainer from a notebook: accelerate's notebook_launcher starts 2 CPU processes and ODC is installed.
+"""ODCSFTTrainer from a notebook: accelerate's notebook_launcher starts 2 CPU processes, ODC is installed, and both
+ranks log the same finite, falling losses (the logged loss is the global one).
 
 Run as a subprocess because notebook_launcher must start from a process with no distributed state."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -22,13 +25,15 @@ CELL = textwrap.dedent(
         from odc_hf.data import default_text_dataset, default_tokenizer, tiny_qwen2_model
 
         tok = default_tokenizer()
-        args = SFTConfig(output_dir=output_dir, max_steps=2, per_device_train_batch_size=2, report_to="none",
-                         bf16=False, max_length=256, logging_steps=1, save_strategy="no", use_cpu=True)
+        args = SFTConfig(output_dir=output_dir, max_steps=3, per_device_train_batch_size=2, report_to="none",
+                         bf16=False, max_length=256, logging_steps=1, save_strategy="no", use_cpu=True,
+                         learning_rate=1e-3)
         trainer = ODCSFTTrainer(model=tiny_qwen2_model(tok), args=args, train_dataset=default_text_dataset(32),
                                 processing_class=tok, odc_config=ODCConfig(max_tokens_per_microbatch=512, truncate=True))
         trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         print("RESULT", trainer.accelerator.process_index, trainer.accelerator.num_processes, trainer.odc is not None,
-              flush=True)
+              losses, flush=True)
 
     notebook_launcher(train, args=(sys.argv[1],), num_processes=2)
     """
@@ -44,4 +49,8 @@ def test_notebook_launcher_runs_odc_on_two_cpu_processes(tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "RESULT 0 2 True" in proc.stdout and "RESULT 1 2 True" in proc.stdout, proc.stdout[-2000:]
+    results = [line.split(" ", 4)[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r[:3] for r in results) == [["0", "2", "True"], ["1", "2", "True"]], proc.stdout[-2000:]
+    losses = [json.loads(r[3]) for r in results]
+    assert losses[0] == losses[1] and len(losses[0]) == 3, losses  # the global loss, the same on both ranks
+    assert all(math.isfinite(x) for x in losses[0]) and losses[0][-1] < losses[0][0], losses
