@@ -1,8 +1,9 @@
 """Gather is bit-exact and scatter-accumulate is exact under random sizes, delays and uneven push counts.
 
 Each check runs on spawned ranks (gloo on CPU; nccl + symmetric memory on GPUs when at least the needed
-number of GPUs is present). Every rank can recompute what every other rank published or pushed from the
-shared seed, so the expected values are exact, not approximations.
+number of GPUs is present: `python -m pytest -m gpu tests/`, see tests/README.md for the last GPU runs). Every rank
+can recompute what every other rank published or pushed from the shared seed, so the expected values are exact, not
+approximations.
 """
 
 from __future__ import annotations
