@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -35,7 +36,18 @@ CELL = textwrap.dedent(
         print("RESULT", trainer.accelerator.process_index, trainer.accelerator.num_processes, trainer.odc is not None,
               losses, flush=True)
 
-    notebook_launcher(train, args=(sys.argv[1],), num_processes=2)
+    # Not the default port 29500 (another job on a shared host may hold it), and not "0" (the launcher's workers
+    # then wait on port 0 forever): a port that was free a moment ago, and another one should it be taken meanwhile.
+    from odc_hf.testing import free_port
+
+    for attempt in range(3):
+        try:
+            notebook_launcher(train, args=(sys.argv[1],), num_processes=2, use_port=str(free_port()))
+            break
+        except Exception as err:  # noqa: BLE001
+            if "EADDRINUSE" not in str(err) or attempt == 2:
+                raise
+            print("port taken, retrying:", err, flush=True)
     """
 )
 
@@ -46,9 +58,17 @@ def test_notebook_launcher_runs_odc_on_two_cpu_processes(tmp_path):
     script.write_text(CELL)
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # A session of its own, so that a hung launch can be killed with its workers (they outlive the cell otherwise).
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail("the notebook launch did not finish in 300 s:\n" + stderr[-4000:])
+    assert proc.returncode == 0, stderr[-4000:]
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     results = [line.split(" ", 4)[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert sorted(r[:3] for r in results) == [["0", "2", "True"], ["1", "2", "True"]], proc.stdout[-2000:]
     losses = [json.loads(r[3]) for r in results]

@@ -155,4 +155,5 @@ def unpatch_trl() -> None:
     _PATCHED.clear()
 
 
-__all__ = ["ODCMixin", "TRLPatch", "make_odc_sft_trainer", "patch_trl", "unpatch_trl"]  # and ODCSFTTrainer, built on first access
+# and ODCSFTTrainer, built on first access
+__all__ = ["ODCMixin", "TRLPatch", "make_odc_sft_trainer", "patch_trl", "unpatch_trl"]
