@@ -55,7 +55,7 @@ def rows_for(lengths: list[int]) -> list[tuple[str, list[int]]]:
 def _batch(docs: list[int], vocab: int, device, seed: int) -> dict:
     import torch
 
-    from odc_hf.balance import BundleCollator
+    from odc_hf.integrations.bundle import BundleCollator
 
     g = torch.Generator().manual_seed(seed)
     examples = [{"input_ids": torch.randint(1, vocab, (n,), generator=g).tolist()} for n in docs]

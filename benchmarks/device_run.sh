@@ -9,6 +9,7 @@
 #   G: benchmarks/grpo_e2e.py
 #   P: benchmarks/microbatch_probe.py (fixed microbatch layouts, accumulate-kernel grid cap, profiles)
 #   V: benchmarks/trainer_checks.py (SFT/GRPO trainer parity, resume, warm-up, GRPO generate; ~5 min)
+#   U: every GPU test of the suite (pytest -m gpu; transport/cuda.py needs 2 GPUs, see tests/README.md; ~4 min)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 OUT=${OUT:-/tmp/out}
@@ -70,4 +71,7 @@ fi
 if [ "$1" = V ]; then
   timeout ${V_LIMIT:-560} python3 benchmarks/trainer_checks.py --out "$OUT" --work /tmp/trainer_checks 2>&1 \
     | tee "$OUT/trainer_checks.log" | grep "^|\| ran in "
+fi
+if [ "$1" = U ]; then
+  timeout ${U_LIMIT:-580} python3 -m pytest -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi

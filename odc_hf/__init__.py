@@ -21,6 +21,7 @@ _LAZY = {
     "ODCSFTTrainer": "odc_hf.integrations.trl",
     "ODCGRPOTrainer": "odc_hf.integrations.grpo",
     "patch_trl": "odc_hf.integrations.trl",
+    "unpatch_trl": "odc_hf.integrations.trl",
     "ODCTrainingArguments": "odc_hf.integrations.arguments",
     "ODCSFTConfig": "odc_hf.integrations.trl_config",
     "ODCGRPOConfig": "odc_hf.integrations.trl_config",

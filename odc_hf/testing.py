@@ -1,8 +1,9 @@
 """Run a function on N spawned ranks with torch.distributed initialised: for tests, examples and benchmarks.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), initialises the default
-process group (gloo on CPU, nccl on GPU: rank r uses ``cuda:r``), calls ``fn(rank, world_size, *args)`` and
-returns the per-rank results. A rank that raises or dies is reported with its traceback or exit code; the
+process group (gloo on CPU, nccl on GPU: rank r uses ``cuda:r``) through a rendezvous store the parent holds on a
+port the OS picked (port 0: no free-port race), calls ``fn(rank, world_size, *args)`` and returns the per-rank
+results. A rank that raises or dies is reported with its traceback or exit code; the
 parent never waits longer than ``timeout_s``.
 """
 
@@ -46,9 +47,23 @@ class RanksFailed(AssertionError):
 
 
 def free_port() -> int:
+    """A port that was free a moment ago. Racy (another process may take it before you bind it): prefer binding
+    port 0 where the port is used, as :func:`run_ranks` does with its rendezvous store."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_RENDEZVOUS_TIMEOUT = timedelta(seconds=120)
+
+
+def _rendezvous_store(world_size: int):
+    """A TCPStore server in the calling process, bound to port 0 (the OS picks a free port and it stays bound while
+    the store lives: no window in which another process can take it); the ranks connect to it as clients."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=_RENDEZVOUS_TIMEOUT,
+                         wait_for_workers=False)  # fmt: skip
 
 
 def _entry(rank, world_size, port, backend, fn, args, queue, env):
@@ -63,8 +78,9 @@ def _entry(rank, world_size, port, backend, fn, args, queue, env):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT)
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120),
+            backend, store=store, rank=rank, world_size=world_size, timeout=_RENDEZVOUS_TIMEOUT,
             device_id=torch.device("cuda", rank) if backend == "nccl" else None,
         )  # fmt: skip
         # Plain pickle bytes: tensors sent through a multiprocessing queue would be shared-memory handles,
@@ -101,7 +117,8 @@ def run_ranks(
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    store = _rendezvous_store(world_size)  # held until every rank has finished (see the end of this function)
+    port = store.port
     child_env = {**SAFE_GPU_ENV, "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
         ctx.Process(
@@ -140,6 +157,7 @@ def run_ranks(
         outcomes[r].exitcode = p.exitcode
         if r not in reported and outcomes[r].error is None:
             outcomes[r].error = f"process died with exit code {p.exitcode} before reporting"
+    del store  # after every rank has exited or been killed: nobody needs the rendezvous any more
     result = [outcomes[r] for r in range(world_size)]
     if not raise_on_failure:
         return result

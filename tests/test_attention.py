@@ -58,6 +58,7 @@ def test_bad_boundaries_are_an_error():
     assert document_bounds(torch.tensor([0, 0, 2, 4]), 4) == [(0, 2), (2, 4)]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flash varlen kernel)")
 def test_cuda_varlen_kernel_matches_per_document_sdpa():
     import odc_hf.attention as attention
@@ -86,10 +87,10 @@ def test_cuda_varlen_kernel_matches_per_document_sdpa():
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("bucket", [0, 4, 16])
-@pytest.mark.parametrize("lengths", [[5], [3, 9, 1, 6], [16, 4]])
-def test_shape_buckets_change_no_output_or_gradient(bucket, lengths):
-    """Padding every document to the shape bucket gives the same logits and gradients as exact shapes."""
+@pytest.mark.parametrize("bucket", [4, 7, 16])
+@pytest.mark.parametrize("lengths", [[5], [3, 9, 1, 6], [17, 4]])
+def test_shape_buckets_change_no_output_or_gradient(monkeypatch, bucket, lengths):
+    """Padding every document to the shape bucket gives the same logits and gradients as exact shapes (bucket 0)."""
     from odc_hf import attention
 
     exact = _model(attention.register(attention.VarlenAttention(shape_bucket=0)))
@@ -98,8 +99,19 @@ def test_shape_buckets_change_no_output_or_gradient(bucket, lengths):
     _, batch = _packed(lengths)
     ref = exact(**batch)
     ref.loss.backward()
+    seen = []  # key lengths SDPA ran on: the padded path must have run, or the comparison proves nothing
+    sdpa = attention.sdpa_attention_forward
+
+    def recording(module, query, key, *args, **kwargs):
+        seen.append(key.shape[2])
+        return sdpa(module, query, key, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", recording)
     out = padded(**batch)
     out.loss.backward()
+    padded_docs = sorted(n + (-n) % bucket for n in lengths)
+    assert padded_docs != sorted(lengths)  # some document really is padded
+    assert sorted(seen) == sorted(padded_docs * padded.config.num_hidden_layers)
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-6)
     # fp32 rounding only: padded rows change the order in which the embedding gradient sums its rows (measured
     # up to 2.1e-7 on entries of magnitude ~1 with transformers 5.24); a wrong mask would move it by > 1e-3.

@@ -1,5 +1,6 @@
 """Planners: coverage, token budget, equal counts for FSDP, and LB-Mini never predicted worse than LB-Micro."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,12 +69,40 @@ def test_lb_mini_odc_makespan_never_exceeds_lb_micro_fsdp(instance):
     assert mini.predicted_odc_time <= micro.predicted_fsdp_time
 
 
+_PLANS_IN_A_FRESH_INTERPRETER = """
+import json, sys
+import numpy as np
+from odc_hf.balance.cost import FlopCostModel
+from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini, plan_none
+from odc_hf.workloads import qwen2_5_config
+lengths, world, budget = json.loads(sys.argv[1])
+model = FlopCostModel.from_config(qwen2_5_config("1.5B"))
+print(json.dumps([p(np.array(lengths), world, budget, model).microbatches for p in (plan_lb_mini, plan_lb_micro, plan_none)]))
+"""
+
+
 def test_plans_are_pure_functions_of_their_inputs():
+    """Every rank plans alone, so a plan may depend on the lengths' values only: not on the container (list, tuple,
+    array), not on the process (another interpreter, another hash seed), and the caller's lengths stay unchanged."""
+    import json
+    import os
+    import subprocess
+    import sys
+
     lengths = [9000, 300, 12000, 4000, 4000, 800, 15000, 2500, 7000]
-    for planner in PLANNERS.values():
-        assert planner(lengths, 3, 16384, COST_MODELS["flop"]) == planner(
-            list(lengths), 3, 16384, COST_MODELS["flop"]
-        )
+    model = COST_MODELS["flop"]
+    here = [planner(lengths, 3, 16384, model) for planner in PLANNERS.values()]
+    for planner, plan in zip(PLANNERS.values(), here):
+        assert planner(tuple(lengths), 3, 16384, model) == plan
+        assert planner(np.array(lengths, dtype=np.int32), 3, 16384, model) == plan
+    assert lengths == [9000, 300, 12000, 4000, 4000, 800, 15000, 2500, 7000]
+    env = {**os.environ, "PYTHONHASHSEED": "4242" if os.environ.get("PYTHONHASHSEED") != "4242" else "7"}
+    proc = subprocess.run([sys.executable, "-c", _PLANS_IN_A_FRESH_INTERPRETER, json.dumps([lengths, 3, 16384])],
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == [plan.microbatches for plan in here]
+    # and pinned, so that a change of plan is a visible decision (LB-Mini here: counts 2, 2, 1)
+    assert here[0].microbatches == [[[0, 8], [4]], [[2, 3], [7]], [[6, 5, 1]]]
 
 
 def test_fewer_samples_than_ranks_gives_empty_bundles():

@@ -3,7 +3,6 @@
 import socket
 import statistics
 import threading
-import time
 
 import pytest
 import torch
@@ -104,10 +103,8 @@ def test_cache_trains_once_for_concurrent_callers_then_loads(tmp_path, monkeypat
     assert entry.name.startswith(f"tokenizer-{VOCAB}-")
     assert sorted(p.name for p in entry.iterdir()) == ["tokenizer.json", "tokenizer.lock"]  # no temp file
 
-    start = time.perf_counter()
     again = data.default_tokenizer(VOCAB, cache_dir=str(tmp_path))
-    assert len(calls) == 1 and again.get_vocab() == results[0].get_vocab()  # loaded, not retrained
-    assert time.perf_counter() - start < 2.0  # ~10 ms; loose for loaded CI machines
+    assert len(calls) == 1 and again.get_vocab() == results[0].get_vocab()  # loaded, not retrained (no clock needed)
 
 
 def test_text_dataset_columns_bounds_and_cycling():

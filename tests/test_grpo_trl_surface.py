@@ -94,17 +94,6 @@ def test_pack_padded_keeps_padded_microbatches_within_budget():  # more in test_
     assert all(len(p) * max(lengths[i] for i in p) <= 200 for p in parts)
 
 
-def test_patch_trl_rebinds_grpo_trainer():
-    import trl
-    from trl.trainer.grpo_trainer import GRPOTrainer
-
-    from odc_hf import patch_trl
-
-    patch_trl()
-    assert trl.GRPOTrainer.__name__ == "ODCGRPOTrainer" and issubclass(trl.GRPOTrainer, GRPOTrainer)
-    assert trl.SFTTrainer.__name__ == "ODCSFTTrainer"
-
-
 def test_unsupported_loss_type_is_refused_clearly(tmp_path):
     from trl import GRPOConfig
 

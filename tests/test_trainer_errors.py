@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -61,12 +63,16 @@ def test_config_validation_and_environment():
 @pytest.mark.slow
 def test_single_process_trains_without_odc_with_a_notice(tmp_path):
     env = {**os.environ, "ODC_NO_RELAUNCH": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, str(ROOT / "examples/sft.py"), "--max_steps", "2", "--num_samples", "32",
-           "--max_length", "256", "--output_dir", str(tmp_path)]  # fmt: skip
+    cmd = [sys.executable, str(ROOT / "examples/sft.py"), "--max_steps", "3", "--num_samples", "32",
+           "--max_length", "256", "--output_dir", str(tmp_path), "--losses_json", str(tmp_path / "losses.json")]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "single process has nothing to communicate" in proc.stderr
-    assert "odc_hf summary (FSDP2 collectives" not in proc.stdout and "1 processes, 2 steps" in proc.stdout
+    assert "odc_hf summary (single process, no ODC, lb_mini, 1 processes, 3 steps)" in proc.stdout, proc.stdout[-2000:]
+    record = json.loads((tmp_path / "losses.json").read_text())
+    losses = [h["loss"] for h in record["history"]]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    assert all(len(step["microbatches"]) == 1 for step in record["steps"])  # one rank, on the same bundle path
 
 
 def test_private_trainer_hooks_odc_hf_overrides_exist():

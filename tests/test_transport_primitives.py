@@ -1,8 +1,9 @@
 """Gather is bit-exact and scatter-accumulate is exact under random sizes, delays and uneven push counts.
 
 Each check runs on spawned ranks (gloo on CPU; nccl + symmetric memory on GPUs when at least the needed
-number of GPUs is present). Every rank can recompute what every other rank published or pushed from the
-shared seed, so the expected values are exact, not approximations.
+number of GPUs is present: `python -m pytest -m gpu tests/`, see tests/README.md for the last GPU runs). Every rank
+can recompute what every other rank published or pushed from the shared seed, so the expected values are exact, not
+approximations.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from odc_hf.testing import run_ranks
 from odc_hf.transport import UnitSpec, make_transport
 
-BACKENDS = ["cpu", "cuda"]
+BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # GPU runs: tests/README.md
 
 
 def _skip_unless(backend: str, world_size: int) -> None:

@@ -124,6 +124,11 @@ class ODCMixin:
             return compute_path.fused_head_loss(model, inputs, num_items_in_batch)
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
+    odc_sampler_class: type[ODCBatchSampler] = ODCBatchSampler
+    """The batch sampler that cuts each epoch into global minibatches and plans every step over the ranks. Set a
+    subclass (overriding ``plan(step)``, say) on your trainer class to plan differently; every rank must get the same
+    plans from the same arguments, without communicating."""
+
     # -- setup -------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
         self.args = args = copy.copy(self.args)  # the user's object stays as they made it
@@ -206,7 +211,7 @@ class ODCMixin:
         self._odc_check_attention(budget)
         if self.odc_compute is not None:
             compute_path.plan(self, budget)  # activation checkpointing for this budget, before prepare()
-        sampler = ODCBatchSampler(
+        sampler = self.odc_sampler_class(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_minibatch_per_rank * world,
             max_tokens_per_microbatch=budget, mode=self.odc_config.balance, cost_model=self._odc_cost_model(),
             seed=self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last,

@@ -9,6 +9,8 @@ at start-up by :func:`check_trl` (the one TRL version policy, used by the GRPO t
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from packaging.version import Version
 
@@ -108,33 +110,63 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-_PATCHED = False
+_PATCHED: dict[str, list] = {}  # name -> [(module, TRL's class)] while patch_trl() is in effect
 
 
-def patch_trl() -> None:
+class TRLPatch:
+    """What :func:`patch_trl` returns. As a context manager, leaving the ``with`` block undoes the patch it applied
+    (``unpatch_trl()``); if TRL was already patched when ``patch_trl()`` was called, leaving does nothing."""
+
+    def __init__(self, applied: bool):
+        self.applied = applied
+
+    def __enter__(self) -> TRLPatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.applied:
+            unpatch_trl()
+
+
+def patch_trl() -> TRLPatch:
     """Make ``trl.SFTTrainer`` and ``trl.GRPOTrainer`` (as recipe scripts import them) the ODC versions, in this
-    process only.
+    process only, until :func:`unpatch_trl` (or the end of ``with patch_trl(): ...``).
 
     TRL has no plugin mechanism and its recipes do ``from trl import SFTTrainer`` / ``GRPOTrainer``; rebinding
     those public names before the recipe imports them is the least intrusive way in (nothing inside TRL is modified).
+    Names a module imported while patched keep pointing at the ODC classes after ``unpatch_trl()``.
     """
-    global _PATCHED
     if _PATCHED:
-        return
+        return TRLPatch(applied=False)
     import trl
 
     from odc_hf.integrations import grpo
 
-    replacements = {"SFTTrainer": __getattr__("ODCSFTTrainer"), "GRPOTrainer": grpo.__getattr__("ODCGRPOTrainer")}
+    modules = [trl]
+    try:
+        import trl.trainer as trl_trainer
+
+        modules.append(trl_trainer)
+    except ImportError:  # pragma: no cover
+        pass
+    # The cached classes (odc_hf.ODCSFTTrainer is trl.SFTTrainer while patched), built from TRL's own classes
+    # before anything is rebound.
+    this = sys.modules[__name__]
+    replacements = {"SFTTrainer": this.ODCSFTTrainer, "GRPOTrainer": grpo.ODCGRPOTrainer}
     for name, cls in replacements.items():
-        setattr(trl, name, cls)
-        try:
-            import trl.trainer as trl_trainer
-
-            setattr(trl_trainer, name, cls)
-        except ImportError:  # pragma: no cover
-            pass
-    _PATCHED = True
+        _PATCHED[name] = [(module, getattr(module, name)) for module in modules]
+        for module in modules:
+            setattr(module, name, cls)
+    return TRLPatch(applied=True)
 
 
-__all__ = ["TESTED_TRL", "check_trl", "make_odc_sft_trainer", "patch_trl"]  # and ODCSFTTrainer, built on first access
+def unpatch_trl() -> None:
+    """Give ``trl`` / ``trl.trainer`` back TRL's own ``SFTTrainer`` and ``GRPOTrainer``; a no-op when not patched."""
+    for name, saved in _PATCHED.items():
+        for module, original in saved:
+            setattr(module, name, original)
+    _PATCHED.clear()
+
+
+# and ODCSFTTrainer, built on first access
+__all__ = ["TESTED_TRL", "TRLPatch", "check_trl", "make_odc_sft_trainer", "patch_trl", "unpatch_trl"]
