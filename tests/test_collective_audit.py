@@ -184,7 +184,9 @@ def _audit(results):
     steps = len(counts_0)
     assert len(counts_1) == steps >= 3
     report = f"microbatches per step: rank 0 {counts_0}, rank 1 {counts_1}"
-    assert any(a != b for a, b in zip(counts_0, counts_1)), "the test needs uneven microbatch counts: " + report
+    assert any(a != b for a, b in zip(counts_0, counts_1)), (
+        "the test needs uneven microbatch counts: " + report
+    )
     for rank, events in enumerate((events_0, events_1)):
         in_loop = [(s, op, caller) for s, loop, op, caller in events if loop]
         assert not in_loop, f"rank {rank} ran collectives inside its microbatch loop: {in_loop}; {report}"
@@ -213,8 +215,10 @@ SFT_STEP = [
     *TRAINER_STEP_END[1:],
 ]
 GRPO_STEP = [
-    *[ALLGATHER] * 13,  # TRL's scoring, once per generation: rewards, advantages, completion logs (gather[_object])
-    ALLGATHER, ALLGATHER,  # odc_hf: the one exchange of the generation batch (all_gather_object)
+    # TRL's scoring, once per generation: rewards, advantages, completion logs (gather and gather_object)
+    *[ALLGATHER] * 13,
+    ALLGATHER,
+    ALLGATHER,  # odc_hf: the one exchange of the generation batch (all_gather_object)
     ALLGATHER,  # odc_hf: step statistics
     ALLGATHER,  # odc_hf: TRL's loss metrics, gathered once per step (ODCGRPOTrainer.odc_after_bundle)
     *TRAINER_STEP_END[1:],

@@ -33,7 +33,9 @@ def launch(tmp_path: Path, name: str, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("peft_grpo_parity")
-    odc = launch(tmp, "odc", "--trainer", "odc", "--balance", "lb_mini", "--max_tokens_per_microbatch", "64", *COMMON)
+    odc = launch(
+        tmp, "odc", "--trainer", "odc", "--balance", "lb_mini", "--max_tokens_per_microbatch", "64", *COMMON
+    )
     trl = launch(tmp, "trl", "--trainer", "trl", *COMMON)
     return odc, trl
 
@@ -44,7 +46,9 @@ def test_odc_lora_grpo_matches_trl_lora_grpo_step_by_step(runs, loss_type):
     odc, trl = runs[0][loss_type], runs[1][loss_type]
     assert len(odc["history"]) == len(trl["history"]) == 4
     uneven = [s["microbatches"] for s in odc["steps"] if len(set(s["microbatches"])) > 1]
-    assert uneven, f"{loss_type}: the ranks should run different microbatch counts on some step: {odc['steps']}"
+    assert uneven, (
+        f"{loss_type}: the ranks should run different microbatch counts on some step: {odc['steps']}"
+    )
     for a, b in zip(odc["history"], trl["history"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
