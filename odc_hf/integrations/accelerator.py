@@ -84,9 +84,9 @@ def check_not_quantized(model: torch.nn.Module) -> None:
     quantizer = getattr(model, "hf_quantizer", None)  # a PeftModel forwards the lookup to its base model
     integer = sorted({str(p.dtype) for p in model.parameters() if not p.dtype.is_floating_point})
     if quantizer is not None or integer:
-        what = type(quantizer).__name__ if quantizer is not None else "parameters of dtype " + ", ".join(integer)
+        found = type(quantizer).__name__ if quantizer is not None else f"{', '.join(integer)} parameters"
         raise NotImplementedError(
-            f"odc_hf does not support quantized base models under ODC (QLoRA; found {what}): load the base model "
+            f"odc_hf does not support quantized base models under ODC (QLoRA; found {found}): load the base model "
             "unquantized (e.g. dtype=torch.bfloat16) and train LoRA on it, or set ODCConfig(enabled=False) to run "
             "plain FSDP2 collectives"
         )
