@@ -32,6 +32,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from odc_hf.balance.padded import padded_microbatch_width, plan_padded
 from odc_hf.integrations.grpo_batch import (
@@ -92,6 +93,7 @@ class _GRPOPart:
         check_trl_grpo(self)
         _check_settings(self, self.odc_grad_accum)
         self.odc_generation_steps = 0  # optimizer steps trained since the last generation
+        self.odc_root_initialised = False  # see _odc_generate_without_lockstep
         self.odc_bundle: GRPOBundle | None = None
         self.odc_plan_summary: dict = {}
         self.odc_ref = self._odc_install_ref() if self.ref_model is not None else None
@@ -169,11 +171,25 @@ class _GRPOPart:
         if self.odc is None or "generate" in vars(model):
             yield
             return
+        root = self.model_wrapped
+        bypassed = hasattr(model, "peft_config") and isinstance(root, FSDPModule)
+        if bypassed and not self.odc_root_initialised:
+            # FSDP2 makes the first FSDP module that runs forward its root. The root is the PeftModel, but PEFT's
+            # generate() enters the wrapped transformers model, so a first generate would start at an inner unit and
+            # fail ("FSDP requires a single root module"). One token through the PeftModel settles the root first
+            # (no collective under ODC: the gathers are one-sided).
+            with torch.no_grad():
+                root(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.accelerator.device))
+            self.odc_root_initialised = True
         model.generate = functools.partial(type(model).generate, model, synced_gpus=False)
         try:
+            if bypassed:  # the root's own parameters (a PEFT model's final norm) are not gathered by any inner unit
+                root.unshard()
             yield
         finally:
             del model.generate
+            if bypassed:
+                root.reshard()
 
     def odc_generate_and_plan(self, inputs) -> GRPOBundle:
         """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
