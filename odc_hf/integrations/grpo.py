@@ -166,6 +166,7 @@ class _GRPOPart:
         every token and keeps stepping until the slowest rank is done, the lockstep ODC removes (a collective per token,
         found by tests/test_collective_audit.py). Under ODC a forward gathers one-sidedly and needs no peer, so each rank
         stops at its own length. The model object TRL generates with gets that default for the call, then loses it.
+        With PEFT, generation also enters below FSDP's root unit (see the comments below).
         """
         model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL's unwrap_model_for_generation yields
         if self.odc is None or "generate" in vars(model):
