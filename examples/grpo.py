@@ -45,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--per_device_train_batch_size", type=int, default=4)
     p.add_argument("--gradient_accumulation_steps", type=int, default=2)
     p.add_argument("--num_iterations", type=int, default=1)
+    p.add_argument("--epsilon", type=float, default=0.2, help="PPO clipping range (TRL's epsilon)")
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--output_dir", default="output/grpo")
     p.add_argument("--bf16", action="store_true")
@@ -135,17 +136,17 @@ def build_model(args, tokenizer, output_dir: Path):
 
 def train_one(args, loss_type: str, tokenizer, dataset):
     import torch
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
-    from odc_hf import ODCConfig
+    from odc_hf import ODCConfig, ODCGRPOConfig
     from odc_hf.integrations.grpo import __getattr__ as grpo_lazy
 
     output_dir = Path(args.output_dir) / loss_type
     model = build_model(args, tokenizer, output_dir)
-    config = GRPOConfig(
+    config = ODCGRPOConfig(  # TRL's GRPOConfig (+ odc_* fields, unused here: odc_config= below wins)
         output_dir=str(output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length, num_iterations=args.num_iterations,
+        max_completion_length=args.max_completion_length, num_iterations=args.num_iterations, epsilon=args.epsilon,
         learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, beta=args.beta, loss_type=loss_type, seed=args.seed, logging_steps=1,
         save_strategy="no", report_to=args.report_to, bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
@@ -208,6 +209,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, once, before any process is launched
     from odc_hf.run import relaunch_if_needed
 
     relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs")

@@ -5,6 +5,8 @@
         --workload longalign --max_tokens_per_microbatch 32768 --bf16 --gradient_checkpointing
     accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name trl-lib/Capybara     # where a hub is reachable
+    accelerate launch --config_file accelerate_configs/odc_hsdp.yaml --machine_rank 0 --main_process_ip 10.0.0.1 \
+        examples/sft.py ...             # 2 nodes x 8 GPUs (HSDP), on each node: docs/multi_node.md
 
 Defaults need no network: a tiny Qwen2-architecture model built from a config, a byte-level BPE trained on the
 Python standard library's sources, and those sources as documents (a naturally long-tailed length mix).
@@ -24,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv=None):
+    from odc_hf.config import parse_count
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_name_or_path", default=None, help="hub model (default: tiny model from a config)")
     p.add_argument("--model_shape", choices=["tiny", "1.5B", "7B", "14B", "32B"], default="tiny",
@@ -53,7 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--odc", choices=["on", "off"], default=None, help="off: FSDP2 collectives (A/B baseline)")
     p.add_argument("--balance", choices=["lb_mini", "lb_micro", "none"], default=None)
     p.add_argument("--cost_model", default=None, help="flop | tokens | calibration.json")
-    p.add_argument("--max_tokens_per_microbatch", type=int, default=None)
+    p.add_argument("--max_tokens_per_microbatch", type=parse_count, default=None, help="e.g. 32768 or 32k")
+    p.add_argument("--truncate", action="store_true", default=None,
+                   help="cut samples longer than the token budget to it instead of stopping with an error")  # fmt: skip
     p.add_argument("--activation_checkpointing", default=None,
                    help="auto (default: the least recomputation that fits the GPU) | full | none | a fraction like 0.5")
     p.add_argument("--losses_json", default=None, help="write per-step losses and microbatch counts here")
@@ -105,11 +111,10 @@ def build_dataset(args, tokenizer, vocab_size: int):
     return Dataset.from_dict({"input_ids": ids})
 
 
-def main(argv=None) -> None:
+def main(argv=None):
+    """Train as the arguments say; returns the trainer."""
     args = parse_args(argv)
-    from trl import SFTConfig
-
-    from odc_hf import ODCConfig, ODCSFTTrainer
+    from odc_hf import ODCConfig, ODCSFTConfig, ODCSFTTrainer
     from odc_hf.data import default_tokenizer
 
     tokenizer = default_tokenizer() if not args.model_name_or_path else None
@@ -123,9 +128,10 @@ def main(argv=None) -> None:
     odc_config = ODCConfig.from_env(
         enabled=None if args.odc is None else args.odc == "on",
         balance=balance, cost_model=args.cost_model, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        truncate=args.truncate,
         activation_checkpointing=args.activation_checkpointing or ("full" if args.gradient_checkpointing else None),
     )  # fmt: skip
-    sft_args = SFTConfig(
+    sft_args = ODCSFTConfig(  # TRL's SFTConfig (+ odc_* fields, unused here: odc_config= below wins)
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=args.seed,
@@ -145,9 +151,12 @@ def main(argv=None) -> None:
                 {"microbatches": s.microbatches, "busy_s": s.busy_s, "wait_s": s.wait_s}
                 for s in trainer.odc_stats.steps
             ]
+            mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)  # fully_shard's (HSDP: 2-D)
             Path(args.losses_json).write_text(
                 json.dumps({"history": history, "summary": summary, "steps": steps,
-                            "attention_warm_up": trainer.odc_attention_warm_up}, indent=1)
+                            "attention_warm_up": trainer.odc_attention_warm_up,
+                            "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}},
+                           indent=1)
             )
         world = trainer.accelerator.num_processes
         mode = (
@@ -155,14 +164,17 @@ def main(argv=None) -> None:
             if trainer.odc is not None
             else ("FSDP2 collectives" if world > 1 else "single process, no ODC")
         )
+        final = f"{history[-1]['loss']:.4f}" if history else "n/a (no step logged)"
         print(f"\nodc_hf summary ({mode}, {odc_config.balance}, {trainer.accelerator.num_processes} processes, "
-              f"{trainer.state.global_step} steps): final loss {history[-1]['loss']:.4f}, "
+              f"{trainer.state.global_step} steps): final loss {final}, "
               f"tokens/s {summary.get('odc/tokens_per_s', 0):.0f}, bubble rate {summary.get('odc/bubble_rate', 0):.1%}, "
               f"microbatches per rank {summary.get('odc/microbatches_min', 0):.0f}-{summary.get('odc/microbatches_max', 0):.0f}; "
               f"timeline: {Path(args.output_dir) / 'odc_timeline.png'}", flush=True)  # fmt: skip
+    return trainer
 
 
 if __name__ == "__main__":
+    parse_args()  # --help and bad flags are answered here, once, before any process is launched
     from odc_hf.run import relaunch_if_needed
 
     relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs")

@@ -13,6 +13,7 @@ _LAZY = {
     "shard_model": "odc_hf.fsdp",
     "ODCAccelerator": "odc_hf.integrations.accelerator",
     "prepare": "odc_hf.integrations.accelerator",
+    "failure_guard": "odc_hf.integrations.failures",
     "ODCFSDPPlugin": "odc_hf.integrations.plugin",
     "ODCMixin": "odc_hf.integrations.trainer",
     "ODCTrainer": "odc_hf.integrations.trainer",

@@ -124,16 +124,32 @@ class ODCConfig:
         return cls(**values)
 
 
+def parse_count(text: str) -> int:
+    """An integer written plainly (``32768``) or with a binary suffix: ``2k`` = 2048, ``32k`` = 32768, ``1m`` =
+    1048576 (k = 1024, m = 1024², case-insensitive; ``_`` allowed as a digit separator). Token budgets and context
+    lengths are quoted that way (a "32k context" holds 32768 tokens), so ``k`` is 1024 here, not 1000."""
+    value = text.strip().lower().replace("_", "")
+    scale = {"k": 1024, "m": 1024 * 1024}.get(value[-1:], 1)
+    digits = value[:-1] if scale != 1 else value
+    if not digits.isdigit():
+        raise ValueError(f"expected an integer such as 32768 or 32k, got {text!r}")
+    return int(digits) * scale
+
+
 def _parse(field: dataclasses.Field, raw: str) -> Any:
+    name = f"ODC_{field.name.upper()}"
     kind = str(field.type)
     if kind.startswith("bool"):
         if raw.lower() in ("1", "true", "yes", "on"):
             return True
         if raw.lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"ODC_{field.name.upper()}={raw!r} is not a boolean")
-    if kind.startswith("int"):
-        return None if raw.lower() == "none" else int(raw)
-    if kind.startswith("float"):
-        return None if raw.lower() == "none" else float(raw)
+        raise ValueError(f"{name}={raw!r} is not a boolean (use 1/true/yes/on or 0/false/no/off)")
+    try:
+        if kind.startswith("int"):
+            return None if raw.lower() == "none" else parse_count(raw)
+        if kind.startswith("float"):
+            return None if raw.lower() == "none" else float(raw)
+    except ValueError as err:
+        raise ValueError(f"{name}={raw!r}: {err}") from None
     return raw

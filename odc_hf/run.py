@@ -50,8 +50,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     target, rest = argv[0], argv[1:]
     from odc_hf.integrations.trl import patch_trl
+    from odc_hf.integrations.trl_config import ignore_upstream_deprecations
 
     patch_trl()
+    ignore_upstream_deprecations()  # TRL's own defaults trigger them; nothing the user can change
     sys.argv = [target, *rest]
     if target.endswith(".py") or os.path.isfile(target):
         runpy.run_path(target, run_name="__main__")

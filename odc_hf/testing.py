@@ -148,16 +148,18 @@ def run_ranks(
     return [o.value for o in result]
 
 
-def accelerate_cpu(*args, env: dict | None = None, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file accelerate_configs/cpu.yaml --main_process_port 0 *args`` from the checkout.
+def accelerate_cpu(*args, env: dict | None = None, cwd=None, timeout: float = 600,
+                   config: str = "cpu.yaml") -> subprocess.CompletedProcess:  # fmt: skip
+    """``accelerate launch --config_file accelerate_configs/<config> --main_process_port 0 *args`` from the checkout.
 
-    Two CPU processes, offline (no hub, no datasets downloads), one torch thread each; ``env`` entries are added
-    to the environment. Returns the finished process (output captured as text). For the tests of this repository.
+    ``cpu.yaml``: two CPU processes; ``cpu_hsdp.yaml``: four, as a 2 x 2 HSDP mesh. Offline (no hub, no datasets
+    downloads), one torch thread each; ``env`` entries are added to the environment. Returns the finished process
+    (output captured as text). For the tests of this repository.
     """
     root = Path(__file__).resolve().parents[1]
     full_env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                 "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}  # fmt: skip
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(root / "accelerate_configs/cpu.yaml"),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(root / "accelerate_configs" / config),
            "--main_process_port", "0", *map(str, args)]  # fmt: skip
     return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 

@@ -38,6 +38,7 @@ from odc_hf.fsdp.units import ODCUnit, Topology, find_units
 from odc_hf.transport import DEFAULT_TIMEOUT_S, ODCError, Transport, make_transport
 from odc_hf.transport.base import PeerFailedError, PeerTimeoutError
 from odc_hf.transport.control import group_ranks
+from odc_hf.transport.failures import report_failure
 from odc_hf.transport.replicas import ReplicaSync
 
 
@@ -219,11 +220,13 @@ class ODCHandle:
 
     @contextlib.contextmanager
     def failure_guard(self):
-        """Tell the peers at once when this rank raises, instead of letting them wait for the timeout."""
+        """Tell every peer at once, with the exception's type and message, when this rank raises inside; where a
+        peer failed first, raise :class:`~odc_hf.transport.PeerFailedError` naming it instead
+        (:func:`odc_hf.transport.failures.report_failure`, which also releases peers blocked in collectives)."""
         try:
             yield self
         except BaseException as err:
-            self.abort(f"{type(err).__name__}: {err}"[:400])
+            report_failure(self.transport, err, announce=self.abort)
             raise
 
     def close(self) -> None:

@@ -17,12 +17,15 @@ with one) and ``odc_hf.prepare(accelerator, ...)`` alike. Passing the plugin swi
 any ``fsdp_plugin`` does; on GPUs accelerate's FSDP2 path shards the model (its unit grouping, tail unit included) and
 ODC is installed on the result. On a CPU-only host accelerate ignores FSDP and would wrap the model in DDP, so
 ODCAccelerator shards it itself with :func:`odc_hf.fsdp.shard_model` (the same grouping) and skips the DDP wrap: the
-real ODC path runs on laptops and in CI.
+real ODC path runs on laptops and in CI. HSDP (``ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)``, or
+``parallelism_config`` in the accelerate YAML) shards over the same ``(replicate, shard)`` mesh on both paths
+(:mod:`odc_hf.integrations.parallelism`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from accelerate import Accelerator
@@ -30,6 +33,7 @@ from accelerate.utils import DistributedType
 
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import ODCHandle, install_odc, is_sharded, shard_model, sum_reduction
+from odc_hf.integrations import parallelism
 from odc_hf.integrations.plugin import ODCFSDPPlugin, as_odc_plugin, refuse_other_engines
 
 logger = logging.getLogger(__name__)
@@ -67,11 +71,36 @@ def check_supported(accelerator: Accelerator) -> None:
             "config (accelerate_configs/odc.yaml), or build the accelerator as odc_hf.ODCAccelerator (its "
             "ODCFSDPPlugin switches accelerate to FSDP2)"
         )
-    pc = getattr(accelerator, "parallelism_config", None)
-    if pc is not None and any(
-        getattr(pc, f"{dim}_size", 1) > 1 for dim in ("tp", "cp", "sp", "dp_replicate")
-    ):
-        raise ValueError(f"odc_hf supports 1-D data-parallel sharding only; got {pc}")
+    # The mesh (data parallel only, 1-D or HSDP's 2-D, shard groups within a node) was checked by adopt().
+
+
+def check_launch_before_accelerate(environ=None) -> None:
+    """Refuse, before accelerate builds its Accelerator, what accelerate would reject with a message that does not
+    mention ODC: an FSDP1 accelerate config (on a CPU-only host accelerate's FSDP1 plugin raises "There are currently
+    no available devices found" before odc_hf's own FSDP2 check could run)."""
+    environ = os.environ if environ is None else environ
+    if environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes") and environ.get("FSDP_VERSION") == "1":
+        raise ValueError(
+            "odc_hf needs FSDP2: set `fsdp_version: 2` in the accelerate config's fsdp_config (found fsdp_version: 1; "
+            "FSDP1 is not supported). accelerate_configs/odc.yaml is a working GPU config; on a CPU-only host use "
+            "accelerate_configs/cpu.yaml with ACCELERATE_USE_CPU=true"
+        )
+
+
+def check_world_matches_launch(accelerator: Accelerator, environ=None) -> None:
+    """Refuse a launch that started several processes which each see a single-process run (e.g. ``accelerate launch
+    --config_file accelerate_configs/cpu.yaml`` on a CPU host without ``ACCELERATE_USE_CPU=true``): they would train
+    independent copies of the model into the same output directory."""
+    environ = os.environ if environ is None else environ
+    launched = environ.get("WORLD_SIZE", "")
+    if launched.isdigit() and int(launched) > 1 and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"{launched} processes were launched (WORLD_SIZE={launched}) but accelerate set up each one as a single "
+            "process, so they would train independently. On a CPU-only host set ACCELERATE_USE_CPU=true, e.g. "
+            "`ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/cpu.yaml ...` (that config "
+            "takes torchrun's launcher and the variable makes every process a CPU rank); on GPUs launch with an "
+            "FSDP2 config (accelerate_configs/odc.yaml)"
+        )
 
 
 def check_not_quantized(model: torch.nn.Module) -> None:
@@ -102,10 +131,15 @@ class ODCAccelerator(Accelerator):
     """
 
     def __init__(self, *args, fsdp_plugin=None, odc_config: ODCConfig | None = None, **kwargs):
+        check_launch_before_accelerate()
         refuse_other_engines(kwargs.get("deepspeed_plugin"), kwargs.get("megatron_lm_plugin"))
         plugin = as_odc_plugin(fsdp_plugin, odc_config)
-        super().__init__(*args, fsdp_plugin=plugin, **kwargs)
-        adopt(self, plugin)
+        held = parallelism.take(kwargs.get("parallelism_config"), cpu=kwargs.get("cpu", False))
+        if held is not None:  # accelerate refuses it on CPU: odc_hf holds it (parallelism.py)
+            kwargs["parallelism_config"] = None
+        with parallelism.hidden_from_accelerate(held is not None):
+            super().__init__(*args, fsdp_plugin=plugin, **kwargs)
+        adopt(self, plugin, parallelism_config=held)
 
     @property
     def odc_config(self) -> ODCConfig:
@@ -128,7 +162,7 @@ class ODCAccelerator(Accelerator):
             # CPU: accelerate would use DDP; shard it ourselves, with accelerate's unit grouping.
             names = {id(p): n for n, p in model.named_parameters()}
             model.to(self.device)
-            shard_model(model)
+            shard_model(model, mesh=parallelism.fsdp_mesh(self))  # HSDP: the (replicate, shard) mesh
             for opt in args:
                 if isinstance(opt, torch.optim.Optimizer):
                     _remap_optimizer(opt, names, model)
@@ -148,8 +182,9 @@ class ODCAccelerator(Accelerator):
             if isinstance(inner, torch.optim.Optimizer):
                 self.odc.attach_optimizer(inner)
         logger.info(
-            "odc_hf: ODC installed on %d units across %d ranks", len(self.odc.units), self.num_processes
-        )
+            "odc_hf: ODC installed on %d units across %d ranks (mesh %s)", len(self.odc.units), self.num_processes,
+            self.odc.topology.describe(),
+        )  # fmt: skip
         return prepared
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
@@ -162,15 +197,23 @@ class ODCAccelerator(Accelerator):
 
 
 def adopt(
-    accelerator: Accelerator, plugin: ODCFSDPPlugin | None = None, *, odc_config: ODCConfig | None = None
+    accelerator: Accelerator,
+    plugin: ODCFSDPPlugin | None = None,
+    *,
+    odc_config: ODCConfig | None = None,
+    parallelism_config: parallelism.ParallelismConfig | None = None,
 ) -> ODCAccelerator:
     """Turn an existing Accelerator (e.g. the one a ``Trainer`` built) into an :class:`ODCAccelerator` holding ``plugin``.
 
     ``plugin`` ``None``: the accelerator's own FSDP plugin (accelerate keeps one on FSDP launches) with ODC's options
     added, else a new :class:`ODCFSDPPlugin`; ``odc_config`` as in :func:`as_odc_plugin`. Only the class changes
     (ODCAccelerator adds no state beyond ``odc_plugin`` and ``odc``), so every setting the owner gave it stays. Call it
-    before ``prepare``.
+    before ``prepare``. ``parallelism_config``: on a CPU host, the ``ParallelismConfig`` odc_hf kept away from
+    accelerate's constructor (:mod:`odc_hf.integrations.parallelism`); its mesh is built here (a collective).
     """
+    if parallelism_config is not None:
+        parallelism.hold_on_cpu(accelerator, parallelism_config)
+    parallelism.check_topology(accelerator.parallelism_config, accelerator.num_processes)
     state_plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is None:
         plugin = as_odc_plugin(getattr(accelerator, "odc_plugin", None) or state_plugin, odc_config)
@@ -186,6 +229,7 @@ def adopt(
     plugin.installs_odc = True
     accelerator.odc_plugin = plugin
     accelerator.odc: ODCHandle | None = None
+    check_world_matches_launch(accelerator)
     if accelerator.num_processes < 2 and plugin.odc_config.enabled and accelerator.is_main_process:
         logger.warning("odc_hf: a single process has nothing to communicate; training runs without ODC")
     return accelerator

@@ -14,13 +14,15 @@ completions sets the pace of every layer of every microbatch. Here, per generati
    generation batch by cost (``ODCConfig.balance`` / ``cost_model``, balanced as padded) and packs its share into
    the fewest padded microbatches within the budget (:func:`plan_padded`); ranks run different numbers of them;
 4. TRL's own ``compute_loss`` runs per microbatch with the weights folded into the loss mask, so its per-token
-   loss (clipping, ``delta``, KL, masks) is used as is; its per-microbatch metric collectives stay local and are
-   aggregated once per step.
+   loss (clipping, ``delta``, KL, masks) is used as is; its per-microbatch metric collectives stay local, and the
+   metrics are recomputed per TRL microbatch (slice) and aggregated once per step as TRL defines them
+   (:mod:`odc_hf.integrations.grpo_metrics`).
 
 TRL private surfaces used, all checked at construction (:func:`odc_hf.integrations.trl.check_trl`, the one TRL
 version policy; ``tests/test_grpo_trl_surface.py``):
 ``_generate_and_score_completions`` (generation + scoring), ``_get_train_sampler`` (overridden: one dataloader
-batch per optimizer step), ``_metrics`` (per-step aggregation), and the key names of the batch dict that
+batch per optimizer step), ``_metrics`` (per-step aggregation), ``_get_per_token_logps_and_entropies`` and
+``_compute_loss`` (the metrics' recomputation per slice), and the key names of the batch dict that
 ``_compute_loss`` reads (``tool_mask`` multiplies the loss mask, ``num_items_in_batch`` normalises ``dapo``).
 """
 
@@ -44,16 +46,16 @@ from odc_hf.integrations.grpo_batch import (
     sample_weights,
     unbatch,
 )
+from odc_hf.integrations.grpo_metrics import CLIP_EXTREMES, MetricRecorder, SliceMetrics, mean_keys, rows
 from odc_hf.integrations.trainer import ODCMixin
 from odc_hf.integrations.trl import check_trl
+from odc_hf.integrations.trl_config import quiet_upstream_deprecations
 
 logger = logging.getLogger(__name__)
 
-TRL_PRIVATE_METHODS = ("_generate_and_score_completions", "_get_train_sampler", "compute_loss")
+TRL_PRIVATE_METHODS = ("_generate_and_score_completions", "_get_train_sampler", "compute_loss", "_compute_loss",
+                       "_get_per_token_logps_and_entropies")
 TRL_PRIVATE_ATTRIBUTES = ("_metrics", "loss_type", "beta", "ref_model", "max_completion_length", "num_iterations")
-# Metrics TRL's _compute_loss appends once per microbatch; aggregated over the step's microbatches of all ranks.
-_LOSS_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                 "clip_ratio/low_min", "clip_ratio/high_max")  # fmt: skip
 
 
 def check_trl_grpo(trainer) -> None:
@@ -97,6 +99,9 @@ class _GRPOPart:
         self.odc_bundle: GRPOBundle | None = None
         self.odc_plan_summary: dict = {}
         self.odc_ref = self._odc_install_ref() if self.ref_model is not None else None
+        self.odc_slice_metrics: SliceMetrics | None = None
+        self._odc_forward: tuple | None = None  # (log-probs, entropies) of the last training forward
+        self._odc_replay: tuple | None = None  # what _get_per_token_logps_and_entropies returns while recomputing
 
     def create_accelerator_and_postprocess(self):
         self.odc_grad_accum = self.args.gradient_accumulation_steps  # TRL's G, before ODCMixin folds it to 1
@@ -196,7 +201,7 @@ class _GRPOPart:
         """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
         from trl.trainer.utils import shuffle_sequence_dict
 
-        with self._trl_accumulation_view(), self._odc_generate_without_lockstep():
+        with self._trl_accumulation_view(), quiet_upstream_deprecations(), self._odc_generate_without_lockstep():
             batch = self._generate_and_score_completions(inputs)
         # The microbatches TRL would train on: its shuffle (same RNG draw, so runs stay comparable) and split.
         batch = shuffle_sequence_dict(batch)
@@ -208,6 +213,8 @@ class _GRPOPart:
                                  max_completion_length=self.max_completion_length,
                                  num_items_in_batch=float(batch["num_items_in_batch"]))  # fmt: skip
         local = unbatch(batch, weights)
+        for sample, g in zip(local, slice_of.tolist()):
+            sample["odc_slice"] = g  # the TRL microbatch it belongs to: TRL's metrics are defined per slice
         gathered: list = [None] * self.accelerator.num_processes
         dist.all_gather_object(gathered, local)  # the one exchange per generation
         samples = [s for part in gathered for s in part]
@@ -220,7 +227,11 @@ class _GRPOPart:
             prompts, [n - p for n, p in zip(lengths, prompts)], multiple
         )
         if max(lengths) > budget:
-            raise ValueError(f"a sample has {max(lengths)} tokens, more than max_tokens_per_microbatch={budget}")
+            raise ValueError(
+                f"a prompt + completion has {max(lengths)} tokens, more than max_tokens_per_microbatch={budget}; raise "
+                "it (ODCConfig.max_tokens_per_microbatch, --odc_max_tokens_per_microbatch, ODC_MAX_TOKENS_PER_MICROBATCH) "
+                "or unset it (then TRL's own widest microbatch); GRPO samples are never truncated"
+            )  # fmt: skip
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         plan = plan_padded(lengths, world, budget, self._odc_cost_model(), self.odc_config.balance,
                            prompts=prompts, multiple=multiple)  # fmt: skip
@@ -242,45 +253,67 @@ class _GRPOPart:
         if "odc_weight" not in inputs:  # evaluation: TRL's own path
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         inputs = dict(inputs)
+        slices = inputs.pop("odc_slice")
         relative = (inputs.pop("odc_weight") / self.odc_weight_scale).float().unsqueeze(1)
         tool = inputs.get("tool_mask")
-        inputs["tool_mask"] = relative if tool is None else tool * relative
+        weighted = dict(inputs, tool_mask=relative if tool is None else tool * relative)
         world = self.accelerator.num_processes
         # TRL: normaliser = num_items / W * current_gradient_accumulation_steps (1 here) / steps_per_generation
-        inputs["num_items_in_batch"] = torch.tensor(world * self.args.steps_per_generation / self.odc_weight_scale,
-                                                    dtype=torch.float32, device=relative.device)  # fmt: skip
+        inputs["num_items_in_batch"] = weighted["num_items_in_batch"] = torch.tensor(
+            world * self.args.steps_per_generation / self.odc_weight_scale, dtype=torch.float32, device=relative.device
+        )  # fmt: skip
         loss_type, self.loss_type = self.loss_type, "dapo"
         try:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            loss = super().compute_loss(model, weighted, return_outputs, num_items_in_batch)
+            self._odc_recompute_metrics(model, inputs, slices)
         finally:
             self.loss_type = loss_type
+            self._odc_forward = None
+        return loss
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if self._odc_replay is not None:  # recomputing a slice's metrics: the training forward's values, no forward
+            return self._odc_replay
+        out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
+                                                         **kwargs)  # fmt: skip
+        if model.training:
+            self._odc_forward = out
+        return out
+
+    @torch.no_grad()
+    def _odc_recompute_metrics(self, model, inputs: dict, slices: torch.Tensor) -> None:
+        """TRL's ``_compute_loss`` on each slice's rows of this microbatch, TRL's own mask, the forward's values:
+        records what TRL would reduce / gather for its metrics (:mod:`odc_hf.integrations.grpo_metrics`)."""
+        logps, entropies, aux = self._odc_forward
+        size, accelerator = slices.numel(), self.accelerator
+        metrics = self._metrics["train"]
+        appended = {key: len(values) for key, values in metrics.items()}  # what the replays append is dropped below
+        try:
+            for g in slices.unique().tolist():
+                index = (slices == g).nonzero().flatten().to(logps.device)
+                self._odc_replay = (logps[index].detach(), entropies[index].detach(), aux)
+                self.accelerator = recorder = MetricRecorder(accelerator)
+                super().compute_loss(model, rows(inputs, index, size))
+                self.odc_slice_metrics.add(int(g), recorder)
+        finally:
+            self._odc_replay, self.accelerator = None, accelerator
+            for key in list(metrics):
+                del metrics[key][appended.get(key, 0) :]
 
     # -- once-per-step metrics ------------------------------------------------------------------------
     def odc_before_bundle(self):
+        self.odc_slice_metrics = SliceMetrics(self.odc_grad_accum, self.beta)
         metrics = self._metrics["train"]
-        return {k: len(metrics[k]) for k in _LOSS_METRICS}
+        return {k: len(metrics[k]) for k in (*mean_keys(self.beta), *CLIP_EXTREMES)}
 
     def odc_after_bundle(self, snapshot) -> None:
+        """Replace what TRL's ``_compute_loss`` appended per ODC microbatch by its per-slice values (one gather)."""
+        local = self.odc_slice_metrics.vector().to(self.accelerator.device)
+        every = self.accelerator.gather(local.unsqueeze(0)).reshape(self.accelerator.num_processes, -1).cpu()
         metrics = self._metrics["train"]
-        rows = []
-        for key in _LOSS_METRICS:
-            new = [v for v in metrics[key][snapshot[key] :] if v == v]  # TRL's nanmin/nanmax skip NaN
-            rows.append([sum(new), len(new), min(new, default=float("inf")), max(new, default=float("-inf"))])
-        local = torch.tensor(rows, dtype=torch.float64, device=self.accelerator.device)
-        every = self.accelerator.gather(local.unsqueeze(0)).reshape(-1, len(_LOSS_METRICS), 4)
-        for k, key in enumerate(_LOSS_METRICS):
+        for key, values in self.odc_slice_metrics.combine(every).items():
             del metrics[key][snapshot[key] :]
-            total, count = every[:, k, 0].sum().item(), every[:, k, 1].sum().item()
-            if count == 0:
-                if not metrics[key]:
-                    del metrics[key]
-                continue
-            if key.endswith("_min"):
-                metrics[key].append(every[:, k, 2].min().item())
-            elif key.endswith("_max"):
-                metrics[key].append(every[:, k, 3].max().item())
-            else:  # mean over every microbatch of every rank
-                metrics[key].append(total / count)
+            metrics[key].extend(values)
 
     def log(self, logs, *args, **kwargs):
         if "loss" in logs and self.odc_plan_summary:

@@ -30,12 +30,14 @@ import odc_hf.attention  # registers attn_implementation="sdpa_varlen"; warm_up
 from odc_hf.balance import FlopCostModel, ODCBatchSampler, QuadraticCostModel, TokenCostModel
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import is_sharded
-from odc_hf.integrations.accelerator import adopt
+from odc_hf.integrations import compute_path, parallelism
+from odc_hf.integrations.accelerator import adopt, check_launch_before_accelerate
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
 from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
+from odc_hf.integrations.failures import failure_guard
 from odc_hf.integrations.plugin import as_odc_plugin, refuse_other_engines
 from odc_hf.integrations.stats import MicrobatchClock, RunStats, StepStats, document_lengths, plot_timeline
-from odc_hf.integrations import compute_path
+from odc_hf.integrations.train_data import check_budget, check_minibatch_fits, train_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -131,11 +133,18 @@ class ODCMixin:
                 "odc_hf: gradient_accumulation_steps=%d becomes part of the minibatch (%d samples per rank per step); "
                 "the Trainer itself runs with 1", args.gradient_accumulation_steps, self.odc_minibatch_per_rank,
             )  # fmt: skip
+        self.odc_folded_accumulation = args.gradient_accumulation_steps
         args.gradient_accumulation_steps = 1
         # Gradients are SUMS over ranks under ODC; the loss is already divided by the global token count.
         args.average_tokens_across_devices = False
+        check_launch_before_accelerate()
         self.odc_plugin = None
-        super().create_accelerator_and_postprocess()
+        # HSDP on a CPU host: accelerate refuses a ParallelismConfig there; odc_hf builds its mesh (parallelism.py)
+        held = parallelism.take(args.parallelism_config, cpu=args.use_cpu)
+        if held is not None:
+            args.parallelism_config = None
+        with parallelism.hidden_from_accelerate(held is not None):
+            super().create_accelerator_and_postprocess()
         if self.odc_plugin is None:
             import transformers
 
@@ -143,7 +152,7 @@ class ODCMixin:
                 f"transformers {transformers.__version__}: Trainer.create_accelerator_and_postprocess no longer builds "
                 "its accelerator through Trainer._build_accelerator_args, where odc_hf gives it its ODCFSDPPlugin"
             )
-        adopt(self.accelerator, self.odc_plugin)
+        adopt(self.accelerator, self.odc_plugin, parallelism_config=held)
 
     def _build_accelerator_args(self, **kwargs):
         # The one way ODC's options reach an accelerator: an ODCFSDPPlugin (odc_hf/integrations/plugin.py), here the
@@ -152,6 +161,12 @@ class ODCMixin:
         refuse_other_engines(args.get("deepspeed_plugin"))
         self.odc_plugin = args["fsdp_plugin"] = as_odc_plugin(args.get("fsdp_plugin"), self.odc_config)
         return args
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Samples per optimizer step, all ranks together: the Trainer's figure (per device x accumulation x data
+        parallel ranks) times the gradient accumulation ODC folded into each bundle (the Trainer runs with 1), so that
+        ``train_samples_per_second`` and the "Total train batch size" line count the samples really trained."""
+        return super().get_total_train_batch_size(args) * getattr(self, "odc_folded_accumulation", 1)
 
     @property
     def odc(self):
@@ -179,23 +194,18 @@ class ODCMixin:
 
     def get_train_dataloader(self) -> DataLoader:
         dataset = self.train_dataset
-        if dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset")
-        if isinstance(dataset, torch.utils.data.IterableDataset):
-            raise ValueError(
-                "odc_hf plans each minibatch from sample lengths, so it needs a map-style dataset; got an iterable "
-                "one (streaming, or accelerate's dispatch_batches): load it without streaming"
-            )
-        if "input_ids" not in getattr(dataset, "column_names", ["input_ids"]):
-            raise ValueError("odc_hf needs a tokenized dataset with an 'input_ids' column")
-        lengths = [len(ids) for ids in dataset["input_ids"]]
+        lengths = train_lengths(dataset)  # raises, saying what to change, on an empty or unusable dataset
+        # The data-parallel world is every process, HSDP's replicas included: each rank plans its own share.
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        check_minibatch_fits(len(lengths), per_device=self.args.per_device_train_batch_size, world=world,
+                             accumulation=self.odc_folded_accumulation, drop_last=self.args.dataloader_drop_last)  # fmt: skip
         # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
-        # layout, one packed row (docs/configuration.md), i.e. the longest sample. The sampler checks the data.
+        # layout, one packed row (docs/configuration.md), i.e. the longest sample.
         budget = self.odc_config.max_tokens_per_microbatch or max(lengths)
+        check_budget(lengths, budget, truncate=self.odc_config.truncate, is_main_process=self.accelerator.is_main_process)
         self._odc_check_attention(budget)
         if self.odc_compute is not None:
             compute_path.plan(self, budget)  # activation checkpointing for this budget, before prepare()
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
         sampler = ODCBatchSampler(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_minibatch_per_rank * world,
             max_tokens_per_microbatch=budget, mode=self.odc_config.balance, cost_model=self._odc_cost_model(),
@@ -232,7 +242,7 @@ class ODCMixin:
             seconds = time.perf_counter() - start
             self.odc_attention_warm_up = {"shapes": shapes, "seconds": seconds, "dtype": str(dtype)}
             logger.info("odc_hf: planned %d attention shapes in %.1f s", shapes, seconds)
-        if implementation in ("sdpa", "eager"):
+        if implementation in ("sdpa", "eager") and self.accelerator.is_main_process:  # once, not once per rank
             logger.warning(
                 "odc_hf packs several documents per microbatch; with attn_implementation=%r transformers isolates "
                 "them with a dense block-diagonal mask, which costs full-row attention (measured 2.6x slower for a "
@@ -244,6 +254,17 @@ class ODCMixin:
     def odc_mask_keys(self) -> tuple[str, ...]:
         """Example columns whose zeros mask labels (TRL's trainer narrows this to what its settings enable)."""
         return MASK_KEYS
+
+    # -- failure reporting -------------------------------------------------------------------------
+    def train(self, *args, **kwargs):
+        """``Trainer.train`` under :func:`odc_hf.failure_guard`: an exception anywhere in a step (microbatches,
+        clipping, optimizer step, logging, evaluation, saving) reaches every peer within a second, with its text."""
+        with failure_guard(lambda: self.odc):
+            return super().train(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with failure_guard(lambda: self.odc):
+            return super().evaluate(*args, **kwargs)
 
     # -- one optimizer step ------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -327,8 +348,10 @@ class ODCMixin:
     # -- saving ------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """On GPUs accelerate's FSDP2 path saves; on the CPU path (sharded by odc_hf) gather a full state dict
-        on every rank (a collective) and write it from the main process."""
+        on every rank (a collective) and write from the main process what the Trainer writes: the model, the
+        processing class and ``training_args.bin``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from transformers.trainer import TRAINING_ARGS_NAME
 
         if not self._odc_self_sharded():
             return super().save_model(output_dir, _internal_call)
@@ -341,6 +364,7 @@ class ODCMixin:
             self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, state_dict=state)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, Path(output_dir) / TRAINING_ARGS_NAME)  # as Trainer._save: tools read it
         self.accelerator.wait_for_everyone()
 
     def _odc_self_sharded(self) -> bool:

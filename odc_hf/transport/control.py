@@ -115,6 +115,18 @@ class HostControl:
         row = bytes(self._raw[rank, _MSG_OFFSET : _MSG_OFFSET + _MSG_LEN])
         return row.split(b"\0", 1)[0].decode("utf-8", "replace")
 
+    @property
+    def announced(self) -> bool:
+        """Whether this rank has written a failure message (:meth:`abort`)."""
+        return self._ints is not None and bool(self._ints[self.rank, _ABORTED])
+
+    def check_peers(self, where: str) -> None:
+        """Raise :class:`PeerFailedError` if a peer announced a failure or died (what a waiting barrier checks);
+        ``where`` says what this rank was doing, for the message."""
+        if self._ints is not None:
+            others = [r for r in range(self.world_size) if r != self.rank]
+            self._raise_if_peer_failed(where, others, check_pids=True)
+
     def _raise_if_peer_failed(self, where: str, lagging: list[int], check_pids: bool) -> None:
         for peer in np.flatnonzero(self._ints[:, _ABORTED]).tolist():
             if peer != self.rank:

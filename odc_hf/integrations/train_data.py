@@ -1,0 +1,77 @@
+"""Checks of the training data the ODC trainers run before training, each raising with the numbers and the fix.
+
+They run where the data enters (``ODCMixin.get_train_dataloader``, before any step): an empty dataset, a dataset
+smaller than one global minibatch that ``dataloader_drop_last`` would drop whole (the Trainer would then run zero
+steps), and samples longer than the token budget.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+TRUNCATE_SETTINGS = (
+    "ODCConfig(truncate=True), `--odc_truncate true` (ODCTrainingArguments / ODCSFTConfig / ODCGRPOConfig), "
+    "`--truncate` (examples/sft.py), or ODC_TRUNCATE=1 in the environment (also reaches recipes run through "
+    "`python -m odc_hf.run`)"
+)
+"""Every way to switch truncation on, for error messages."""
+
+
+def train_lengths(dataset) -> list[int]:
+    """Token count of every sample of a map-style training dataset with an ``input_ids`` column."""
+    import torch
+
+    if dataset is None:
+        raise ValueError("Trainer: training requires a train_dataset")
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise ValueError(
+            "odc_hf plans each minibatch from sample lengths, so it needs a map-style dataset; got an iterable "
+            "one (streaming, or accelerate's dispatch_batches): load it without streaming"
+        )
+    if "input_ids" not in getattr(dataset, "column_names", ["input_ids"]):
+        raise ValueError("odc_hf needs a tokenized dataset with an 'input_ids' column")
+    if len(dataset) == 0:
+        raise ValueError(
+            "train_dataset is empty (0 samples): check the data loading and filtering before training (TRL drops "
+            "samples that are fully masked or empty after tokenisation)"
+        )
+    return [len(ids) for ids in dataset["input_ids"]]
+
+
+def check_minibatch_fits(num_samples: int, *, per_device: int, accumulation: int, world: int, drop_last: bool) -> None:
+    """With ``drop_last`` a dataset smaller than one global minibatch gives zero steps: refuse it, saying what to change.
+
+    Without ``drop_last`` the last, partial minibatch is planned and trained as the Trainer's own dataloader
+    trains a last partial batch, so that is the alternative the message offers.
+    """
+    minibatch = per_device * accumulation * world
+    if drop_last and num_samples < minibatch:
+        raise ValueError(
+            f"the training dataset ({num_samples} samples) is smaller than one global minibatch ({minibatch} = "
+            f"per_device_train_batch_size {per_device} x gradient_accumulation_steps {accumulation} x {world} "
+            "processes), and dataloader_drop_last=True drops it, so no step would run. Lower "
+            "per_device_train_batch_size or gradient_accumulation_steps, use more samples, or set "
+            "dataloader_drop_last=False to train the partial minibatch"
+        )
+
+
+def check_budget(lengths: list[int], budget: int, *, truncate: bool, is_main_process: bool) -> None:
+    """Samples longer than the token budget: an error naming every way to truncate, or (truncating) one log line."""
+    too_long = [n for n in lengths if n > budget]
+    if not too_long:
+        return
+    if not truncate:
+        raise ValueError(
+            f"{len(too_long)} of {len(lengths)} training samples are longer than max_tokens_per_microbatch={budget} "
+            f"(the longest has {max(too_long)} tokens). Raise the budget (ODCConfig.max_tokens_per_microbatch, "
+            "--odc_max_tokens_per_microbatch, ODC_MAX_TOKENS_PER_MICROBATCH), filter the data, or cut them to the "
+            f"budget with {TRUNCATE_SETTINGS}"
+        )
+    if is_main_process:
+        logger.warning(
+            "odc_hf: truncating %d of %d training samples to max_tokens_per_microbatch=%d tokens (the longest has "
+            "%d); their tokens beyond the budget are not trained on", len(too_long), len(lengths), budget,
+            max(too_long),
+        )  # fmt: skip

@@ -1,0 +1,53 @@
+"""The CPU-sharded save path writes the files TRL's own run writes (2 CPU processes through accelerate launch), in the
+output directory (``trainer.save_model()``) and in every checkpoint, so tools that read them (``training_args.bin``,
+``trainer_state.json``, the tokenizer, ...) keep working. The one difference is the optimizer: saved shard by shard
+(``odc_optimizer/``, torch.distributed.checkpoint) instead of ``optimizer.pt``."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+from odc_hf.testing import accelerate_cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    from trl import SFTConfig, SFTTrainer
+
+    from odc_hf import ODCConfig, ODCSFTTrainer
+    from odc_hf.data import default_text_dataset, default_tokenizer, tiny_qwen2_model
+
+    tokenizer = default_tokenizer()
+    for kind in ("trl", "odc"):
+        args = SFTConfig(output_dir=f"{sys.argv[1]}/{kind}", max_steps=2, per_device_train_batch_size=2,
+                         save_strategy="steps", save_steps=2, max_length=128, packing=False, bf16=False,
+                         logging_steps=1, report_to="none", disable_tqdm=True)
+        extra = {"odc_config": ODCConfig(log_timeline=False)} if kind == "odc" else {}
+        trainer = (ODCSFTTrainer if kind == "odc" else SFTTrainer)(
+            model=tiny_qwen2_model(tokenizer), args=args, train_dataset=default_text_dataset(16),
+            processing_class=tokenizer, **extra)
+        trainer.train()
+        trainer.save_model()
+    """
+)
+
+
+def files(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()}
+
+
+def test_cpu_sharded_save_writes_the_files_trl_writes(tmp_path):
+    script = tmp_path / "save_both.py"
+    script.write_text(SCRIPT)
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = accelerate_cpu(script, tmp_path / "out", env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    trl, odc = files(tmp_path / "out/trl"), files(tmp_path / "out/odc")
+    assert "training_args.bin" in trl and "checkpoint-2/training_args.bin" in trl  # what the comparison is about
+    sharded_optimizer = {f for f in odc if f.startswith("checkpoint-2/odc_optimizer/")}
+    assert sharded_optimizer, odc
+    assert odc - sharded_optimizer == trl - {"checkpoint-2/optimizer.pt"}, (sorted(odc), sorted(trl))
