@@ -4,7 +4,7 @@ Ranks run different numbers of microbatches per optimizer step (LB-Mini; a rank 
 microbatch, by any library on the path (TRL's fused LM head reading a still-sharded ``lm_head`` with
 ``DTensor.full_tensor()``, TRL's per-microbatch metric gathers, PEFT, Liger's layer kernels), would pair up different
 microbatches across ranks or deadlock. So this test watches every collective the default group (and any other) runs
-while the real trainers train on 2 CPU ranks (gloo), and checks:
+while the real trainers train on 2 CPU ranks (gloo), full fine-tuning and LoRA (peft), and checks:
 
 - none runs between the start of a rank's microbatch loop and ``finish_minibatch()`` (the one synchronisation);
 - outside the loop, every rank runs the same collectives in the same order, step after step, whatever its microbatch
@@ -120,7 +120,13 @@ def _audited(trainer_cls, log):
 SFT_CUTS = (2000, 1000, 1000, 2000, 500, 120, 2000, 120, 120, 1000, 120, 2000, 1000, 500, 250, 500, 120)
 
 
-def _sft_rank(rank, world, output_dir):
+def _lora(use_peft: bool):
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") if use_peft else None
+
+
+def _sft_rank(rank, world, output_dir, use_peft):
     from datasets import Dataset
     from trl import SFTConfig
 
@@ -135,14 +141,14 @@ def _sft_rank(rank, world, output_dir):
                      packing=False, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
                      bf16=False, use_cpu=True, disable_tqdm=True)  # fmt: skip
     trainer = _audited(ODCSFTTrainer, log)(model=tiny_qwen2_model(tokenizer), args=args, processing_class=tokenizer,
-                                           train_dataset=dataset)  # fmt: skip
+                                           train_dataset=dataset, peft_config=_lora(use_peft))  # fmt: skip
     with log:
         trainer.train()
     trainer.odc.close()
     return log.events, log.microbatches
 
 
-def _grpo_rank(rank, world, output_dir):
+def _grpo_rank(rank, world, output_dir, use_peft):
     sys.path.insert(0, str(ROOT / "examples"))
     from grpo import arithmetic_dataset, arithmetic_reward
     from trl import GRPOConfig
@@ -165,7 +171,7 @@ def _grpo_rank(rank, world, output_dir):
     trainer = _audited(grpo_lazy("ODCGRPOTrainer"), log)(
         model=tiny_qwen2_model(tokenizer), reward_funcs=arithmetic_reward, args=args,
         train_dataset=arithmetic_dataset(64, 0), processing_class=tokenizer,
-        odc_config=ODCConfig(max_tokens_per_microbatch=80),
+        odc_config=ODCConfig(max_tokens_per_microbatch=80), peft_config=_lora(use_peft),
     )  # fmt: skip
     with log:
         trainer.train()
@@ -184,7 +190,9 @@ def _audit(results):
     steps = len(counts_0)
     assert len(counts_1) == steps >= 3
     report = f"microbatches per step: rank 0 {counts_0}, rank 1 {counts_1}"
-    assert any(a != b for a, b in zip(counts_0, counts_1)), "the test needs uneven microbatch counts: " + report
+    assert any(a != b for a, b in zip(counts_0, counts_1)), (
+        "the test needs uneven microbatch counts: " + report
+    )
     for rank, events in enumerate((events_0, events_1)):
         in_loop = [(s, op, caller) for s, loop, op, caller in events if loop]
         assert not in_loop, f"rank {rank} ran collectives inside its microbatch loop: {in_loop}; {report}"
@@ -213,8 +221,10 @@ SFT_STEP = [
     *TRAINER_STEP_END[1:],
 ]
 GRPO_STEP = [
-    *[ALLGATHER] * 13,  # TRL's scoring, once per generation: rewards, advantages, completion logs (gather[_object])
-    ALLGATHER, ALLGATHER,  # odc_hf: the one exchange of the generation batch (all_gather_object)
+    # TRL's scoring, once per generation: rewards, advantages, completion logs (gather and gather_object)
+    *[ALLGATHER] * 13,
+    ALLGATHER,
+    ALLGATHER,  # odc_hf: the one exchange of the generation batch (all_gather_object)
     ALLGATHER,  # odc_hf: step statistics
     ALLGATHER,  # odc_hf: TRL's loss metrics, gathered once per step (ODCGRPOTrainer.odc_after_bundle)
     *TRAINER_STEP_END[1:],
@@ -226,15 +236,17 @@ def _assert_step(per_step, expected):
 
 
 @pytest.mark.slow
-def test_sft_runs_no_collective_inside_the_microbatch_loop(tmp_path, one_torch_thread):
-    per_step = _audit(run_ranks(_sft_rank, 2, str(tmp_path), env={"ACCELERATE_USE_CPU": "true"}))
+@pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])
+def test_sft_runs_no_collective_inside_the_microbatch_loop(tmp_path, one_torch_thread, use_peft):
+    per_step = _audit(run_ranks(_sft_rank, 2, str(tmp_path), use_peft, env={"ACCELERATE_USE_CPU": "true"}))
     _assert_step(per_step, SFT_STEP)
 
 
 @pytest.mark.slow
-def test_grpo_runs_no_collective_inside_the_microbatch_loop(tmp_path, one_torch_thread):
+@pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])
+def test_grpo_runs_no_collective_inside_the_microbatch_loop(tmp_path, one_torch_thread, use_peft):
     # generate() included: it runs no collective per token (ODCGRPOTrainer turns transformers' synced_gpus off)
-    per_step = _audit(run_ranks(_grpo_rank, 2, str(tmp_path), env={"ACCELERATE_USE_CPU": "true"}))
+    per_step = _audit(run_ranks(_grpo_rank, 2, str(tmp_path), use_peft, env={"ACCELERATE_USE_CPU": "true"}))
     _assert_step(per_step, GRPO_STEP)
 
 

@@ -66,7 +66,9 @@ def test_trl_sft_recipe_with_lora_runs_with_odc_and_the_adapter_reloads(tmp_path
     assert lora_b and all(v.abs().max() > 0 for v in lora_b)  # LoRA's B starts at zero: training moved it
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out)
     base = AutoModelForCausalLM.from_pretrained(model_dir)
-    inputs = tokenizer.apply_chat_template(conversations[0]["messages"], return_dict=True, return_tensors="pt")
+    inputs = tokenizer.apply_chat_template(
+        conversations[0]["messages"], return_dict=True, return_tensors="pt"
+    )
     with torch.no_grad():
         tuned, plain = reloaded(**inputs).logits, base(**inputs).logits
     assert torch.isfinite(tuned).all() and not torch.allclose(tuned, plain)  # the adapter is loaded and acts

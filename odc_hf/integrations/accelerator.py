@@ -103,6 +103,24 @@ def check_world_matches_launch(accelerator: Accelerator, environ=None) -> None:
         )
 
 
+def check_not_quantized(model: torch.nn.Module) -> None:
+    """Refuse a quantized base model (QLoRA: bitsandbytes 4/8-bit, or any transformers quantizer) under ODC.
+
+    ODC publishes each unit's shards and gathers them by bytes; quantized weights carry their scales and layout in
+    tensor subclasses and quantizer state that the FSDP2 adapter does not know, and no test covers them. LoRA on an
+    unquantized (bf16) base is supported.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)  # a PeftModel forwards the lookup to its base model
+    integer = sorted({str(p.dtype) for p in model.parameters() if not p.dtype.is_floating_point})
+    if quantizer is not None or integer:
+        found = type(quantizer).__name__ if quantizer is not None else f"{', '.join(integer)} parameters"
+        raise NotImplementedError(
+            f"odc_hf does not support quantized base models under ODC (QLoRA; found {found}): load the base model "
+            "unquantized (e.g. dtype=torch.bfloat16) and train LoRA on it, or set ODCConfig(enabled=False) to run "
+            "plain FSDP2 collectives"
+        )
+
+
 class ODCAccelerator(Accelerator):
     """``accelerate.Accelerator`` that installs ODC in :meth:`prepare`; ``self.odc`` is the handle afterwards.
 
@@ -138,6 +156,7 @@ class ODCAccelerator(Accelerator):
         check_supported(self)
         model = models[0]
         if config.enabled:
+            check_not_quantized(model)
             self.odc_plugin.reduce_in_fp32()
         if self.distributed_type != DistributedType.FSDP and not is_sharded(model):
             # CPU: accelerate would use DDP; shard it ourselves, with accelerate's unit grouping.

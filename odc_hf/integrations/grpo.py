@@ -34,6 +34,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from odc_hf.balance.padded import padded_microbatch_width, plan_padded
 from odc_hf.integrations.grpo_batch import (
@@ -94,6 +95,7 @@ class _GRPOPart:
         check_trl_grpo(self)
         _check_settings(self, self.odc_grad_accum)
         self.odc_generation_steps = 0  # optimizer steps trained since the last generation
+        self.odc_root_initialised = False  # see _odc_generate_without_lockstep
         self.odc_bundle: GRPOBundle | None = None
         self.odc_plan_summary: dict = {}
         self.odc_ref = self._odc_install_ref() if self.ref_model is not None else None
@@ -169,16 +171,31 @@ class _GRPOPart:
         every token and keeps stepping until the slowest rank is done, the lockstep ODC removes (a collective per token,
         found by tests/test_collective_audit.py). Under ODC a forward gathers one-sidedly and needs no peer, so each rank
         stops at its own length. The model object TRL generates with gets that default for the call, then loses it.
+        With PEFT, generation also enters below FSDP's root unit (see the comments below).
         """
         model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL's unwrap_model_for_generation yields
         if self.odc is None or "generate" in vars(model):
             yield
             return
+        root = self.model_wrapped
+        bypassed = hasattr(model, "peft_config") and isinstance(root, FSDPModule)
+        if bypassed and not self.odc_root_initialised:
+            # FSDP2 makes the first FSDP module that runs forward its root. The root is the PeftModel, but PEFT's
+            # generate() enters the wrapped transformers model, so a first generate would start at an inner unit and
+            # fail ("FSDP requires a single root module"). One token through the PeftModel settles the root first
+            # (no collective under ODC: the gathers are one-sided).
+            with torch.no_grad():
+                root(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.accelerator.device))
+            self.odc_root_initialised = True
         model.generate = functools.partial(type(model).generate, model, synced_gpus=False)
         try:
+            if bypassed:  # the root's own parameters (a PEFT model's final norm) are not gathered by any inner unit
+                root.unshard()
             yield
         finally:
             del model.generate
+            if bypassed:
+                root.reshard()
 
     def odc_generate_and_plan(self, inputs) -> GRPOBundle:
         """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
