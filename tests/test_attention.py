@@ -155,7 +155,8 @@ def test_trainer_applies_the_odcconfig_attention_setting():
     from odc_hf.integrations.trainer import ODCMixin
 
     def check(model, config):
-        accelerator = SimpleNamespace(unwrap_model=lambda m: m, mixed_precision="no", device=torch.device("cpu"))
+        accelerator = SimpleNamespace(unwrap_model=lambda m: m, mixed_precision="no", device=torch.device("cpu"),
+                                      is_main_process=True)
         ODCMixin._odc_check_attention(SimpleNamespace(accelerator=accelerator, model=model, odc_config=config), 64)
         return attention.attention_of(model)
 
