@@ -13,8 +13,9 @@ from odc_hf.integrations.trl import TESTED_TRL
 
 
 def test_private_grpo_surfaces_exist_on_the_installed_trl():
+    # TRL's own class, also after patch_trl() rebound trl.GRPOTrainer
     import trl
-    from trl.trainer.grpo_trainer import GRPOTrainer  # TRL's own class, also after patch_trl() rebound trl.GRPOTrainer
+    from trl.trainer.grpo_trainer import GRPOTrainer
 
     for name in grpo.TRL_PRIVATE_METHODS:
         assert callable(getattr(GRPOTrainer, name, None)), name

@@ -425,7 +425,7 @@ def setup(trainer) -> ComputePath:
 
 def plan(trainer, tokens: int) -> None:
     """When the token budget is known (``get_train_dataloader``): choose and apply checkpointing, log the path."""
-    from odc_hf.integrations.trainer import attention_dtype
+    from odc_hf.integrations.attention_setup import attention_dtype
 
     path: ComputePath = trainer.odc_compute
     accelerator = trainer.accelerator

@@ -26,12 +26,12 @@ from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
-import odc_hf.attention  # registers attn_implementation="sdpa_varlen"; warm_up
 from odc_hf.balance import FlopCostModel, ODCBatchSampler, QuadraticCostModel, TokenCostModel
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import is_sharded
 from odc_hf.integrations import compute_path, parallelism
 from odc_hf.integrations.accelerator import adopt, check_launch_before_accelerate
+from odc_hf.integrations.attention_setup import prepare_attention
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
 from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
 from odc_hf.integrations.failures import failure_guard
@@ -40,16 +40,6 @@ from odc_hf.integrations.stats import MicrobatchClock, RunStats, StepStats, docu
 from odc_hf.integrations.train_data import check_budget, check_minibatch_fits, train_lengths
 
 logger = logging.getLogger(__name__)
-
-
-def attention_dtype(mixed_precision: str | None, param_dtype: torch.dtype | None) -> torch.dtype | None:
-    """The attention's compute dtype in training: autocast's under accelerate's ``mixed_precision`` ("bf16"/"fp16"),
-    else the parameters' if half precision, else ``None`` (fp32 attention: cuDNN's attention, whose plans
-    ``odc_hf.attention.warm_up`` builds, runs half precision only, so there is nothing to plan)."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(mixed_precision))
-    if dtype is None and param_dtype in (torch.float16, torch.bfloat16):
-        dtype = param_dtype
-    return dtype
 
 
 class _LocalGathers:
@@ -227,34 +217,9 @@ class ODCMixin:
                             num_workers=self.args.dataloader_num_workers)  # fmt: skip
 
     def _odc_check_attention(self, budget: int) -> None:
-        """Packed rows under "sdpa"/"eager" attention are slow: say so once, with the fix. Under "sdpa_varlen", use
-        the setting ODCConfig names (attention_shape_bucket, attention_varlen_kernel) and, on a GPU, plan the
-        attention shapes of every length up to the token budget now (odc_hf.attention.warm_up)."""
-        model = self.accelerator.unwrap_model(self.model)
-        config = getattr(model, "config", None)
-        implementation = getattr(config, "_attn_implementation", None)
-        varlen = odc_hf.attention.attention_of(model)
-        wanted = odc_hf.attention.VarlenAttention(shape_bucket=self.odc_config.attention_shape_bucket,
-                                                  varlen_kernel=self.odc_config.attention_varlen_kernel)  # fmt: skip
-        if varlen is not None and varlen != wanted:
-            model.set_attn_implementation(odc_hf.attention.register(wanted))
-            logger.info("odc_hf: attention %s (from ODCConfig)", wanted)
-        param = next(model.parameters(), None)
-        dtype = attention_dtype(self.accelerator.mixed_precision, param.dtype if param is not None else None)
-        if varlen is not None and self.accelerator.device.type == "cuda" and dtype is not None:
-            start = time.perf_counter()
-            shapes = odc_hf.attention.warm_up(model, budget, dtype=dtype, device=self.accelerator.device)
-            seconds = time.perf_counter() - start
-            self.odc_attention_warm_up = {"shapes": shapes, "seconds": seconds, "dtype": str(dtype)}
-            logger.info("odc_hf: planned %d attention shapes in %.1f s", shapes, seconds)
-        if implementation in ("sdpa", "eager") and self.accelerator.is_main_process:  # once, not once per rank
-            logger.warning(
-                "odc_hf packs several documents per microbatch; with attn_implementation=%r transformers isolates "
-                "them with a dense block-diagonal mask, which costs full-row attention (measured 2.6x slower for a "
-                '2-document 28k-token row on an H200). Load the model with attn_implementation="sdpa_varlen" '
-                '(registered by `import odc_hf.attention`, which the odc_hf trainers import; per-document SDPA, same results) or "flash_attention_2".',
-                implementation,
-            )
+        """The attention setting ODCConfig names, its cuDNN plans on a GPU, and a warning for slow packed-row attention
+        (:func:`odc_hf.integrations.attention_setup.prepare_attention`)."""
+        prepare_attention(self, budget)
 
     def odc_mask_keys(self) -> tuple[str, ...]:
         """Example columns whose zeros mask labels (TRL's trainer narrows this to what its settings enable)."""
