@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from odc_hf.balance.cost import decoder_dims
+
 __all__ = [
     "Cluster",
     "ModelShape",
@@ -126,23 +128,9 @@ class ModelShape:
     @classmethod
     def from_config(cls, config, name: str | None = None) -> ModelShape:
         """From a dense decoder config (Llama / Qwen2 / Mistral attribute names); attention biases as Qwen2 has them."""
-        needed = (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "vocab_size",
+        hidden, layers, heads, kv_heads, head_dim = decoder_dims(
+            config, "the estimate needs one; build a ModelShape(...) directly for other shapes"
         )
-        missing = [k for k in needed if getattr(config, k, None) is None]
-        if missing:
-            raise ValueError(
-                f"config {type(config).__name__} lacks {missing}: the estimate needs a dense decoder "
-                "(Llama/Qwen2/Mistral-style config); build a ModelShape(...) directly for other shapes"
-            )
-        hidden, layers = config.hidden_size, config.num_hidden_layers
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
         q_o = 2 * hidden * heads * head_dim
         k_v = 2 * hidden * kv_heads * head_dim
         mlp = 3 * hidden * config.intermediate_size

@@ -50,6 +50,19 @@ def as_lengths(lengths: Sequence[int] | np.ndarray, *, name: str = "lengths") ->
     return arr
 
 
+def decoder_dims(config, otherwise: str) -> tuple[int, int, int, int, int]:
+    """(hidden, layers, attention heads, key/value heads, head_dim) of a dense decoder config (Llama / Qwen2 /
+    Mistral attribute names), or a ValueError that ends with ``otherwise`` (what to do instead)."""
+    needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [name for name in needed if getattr(config, name, None) is None]
+    if missing:
+        raise ValueError(f"config {type(config).__name__} lacks {missing}: not a dense decoder config; {otherwise}")
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return hidden, config.num_hidden_layers, heads, kv_heads, head_dim
+
+
 class CostModel:
     """Base: subclasses define ``overhead`` (and ``floor``) and :meth:`doc_costs`."""
 
@@ -97,22 +110,7 @@ class FlopCostModel(CostModel):
     @classmethod
     def from_config(cls, config) -> FlopCostModel:
         """Build from a dense decoder config (Llama/Qwen2/Mistral-style attribute names)."""
-        needed = (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "vocab_size",
-        )
-        missing = [name for name in needed if getattr(config, name, None) is None]
-        if missing:
-            raise ValueError(
-                f"config {type(config).__name__} lacks {missing}; build FlopCostModel(...) directly"
-            )
-        hidden, layers = config.hidden_size, config.num_hidden_layers
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        hidden, layers, heads, kv_heads, head_dim = decoder_dims(config, "build FlopCostModel(...) directly")
         q_and_o = 2 * hidden * heads * head_dim
         k_and_v = 2 * hidden * kv_heads * head_dim
         mlp = 3 * hidden * config.intermediate_size  # gate, up, down
