@@ -70,10 +70,11 @@ def test_odc_grpo_matches_trl_grpo_step_by_step(runs, loss_type, plan):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_odc_grpo_logs_every_metric_trl_logs(runs, loss_type):
+@pytest.mark.parametrize("plan", ["uneven", "zero"])
+def test_odc_grpo_logs_every_metric_trl_logs(runs, loss_type, plan):
     """kl, entropy, clip ratios, rewards, lengths...: TRL's definitions, not the ODC layout's (issue 21)."""
     from test_grpo_metrics import assert_same_metrics
 
     # loss and grad_norm: compared above, with the tolerances their arithmetic allows
-    assert_same_metrics(runs[0][loss_type]["history"], runs[1][loss_type]["history"], rel=1e-5, abs=1e-7,
+    assert_same_metrics(runs[plan][loss_type]["history"], runs["trl"][loss_type]["history"], rel=1e-5, abs=1e-7,
                         skip=("loss", "grad_norm"))  # fmt: skip

@@ -57,7 +57,7 @@ def _first_hour(rank, world_size, output_dir):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    for name in ("odc_hf.integrations.train_data", "odc_hf.integrations.trainer"):
+    for name in ("odc_hf.integrations.train_data", "odc_hf.integrations.attention_setup"):
         logging.getLogger(name).addHandler(handler)
     # Truncation on, gradient accumulation 2 (folded into each bundle): trains, and reports samples per second.
     trainer = _trainer_on(rank, output_dir, data, gradient_accumulation_steps=2,
