@@ -167,5 +167,5 @@ def test_launch_mistakes_stop_with_the_fix(case, tmp_path):
         expected = "ValueError: odc_hf needs FSDP2: set `fsdp_version: 2` in the accelerate config's fsdp_config"
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "CONSTRUCTED" not in output, output[-3000:]
-    assert output.count(expected) >= 2, output[-3000:]  # on both ranks
+    assert expected in output, output[-3000:]  # on every rank that got there before the launcher stopped the others
     assert "no available devices" not in output
