@@ -157,7 +157,14 @@ class HostControl:
             lagging = np.flatnonzero(epochs < epoch).tolist()
             mb = "" if minibatch is None else f" of minibatch {minibatch}"
             where = f"rank {self.global_ranks[self.rank]} was waiting in the {what}{mb}"
-            self._raise_if_peer_failed(where, lagging, check_pids=now >= next_check)
+            try:
+                self._raise_if_peer_failed(where, lagging, check_pids=now >= next_check)
+            except PeerFailedError:
+                # Every rank arrived before the peer failed (it raised after passing this barrier): the barrier is
+                # complete; the failure is reported at this rank's next wait, not as a failure to arrive here.
+                if self._ints[:, _EPOCH].min() >= epoch:
+                    break
+                raise
             if now >= next_check:
                 next_check = now + _LIVENESS_PERIOD_S
             if now - start > self.timeout_s:
