@@ -29,8 +29,10 @@ training meets new document lengths every step, so without care a packed row of 
 its compute: on 2×H200 (1.5B, ``benchmarks/results/microbatch_probe_*``) LB-Mini's freshly packed rows ran at
 1.25x their cost while the same layouts with warm plans ran at 1.04x. Each document's q/k/v are therefore
 copied into a zero-padded buffer of a multiple of ``shape_bucket`` tokens (padding at the end changes no
-causal output or gradient of the real tokens): at most ``max_length / shape_bucket`` shapes, all planned once
-(:func:`warm_up` does it up front). The copies and the padded attention cost ~1% at the default bucket.
+causal output or gradient of the real tokens), laid out as the model's own q/k/v (sequence-major in memory): at most
+``max_length / shape_bucket`` shapes, all planned once (:func:`warm_up` does it up front). A one-document row whose
+length is a bucket multiple already has those strides and goes to SDPA without a copy. The copies and the padded
+attention cost ~1% at the default bucket.
 
 **Settings.** Each setting is an explicit :class:`VarlenAttention` (``shape_bucket``, ``varlen_kernel``),
 registered under its own ``attn_implementation`` name (:func:`register`; ``"sdpa_varlen"`` is the default one), so
@@ -168,12 +170,32 @@ def _document(module, query, key, value, start: int, end: int, kwargs, shape_buc
     bucket = shape_bucket if causal else 0  # zero keys after the tokens are invisible only to causal queries
     pad = (-n) % bucket if bucket > 0 else 0
     q, k, v = (t[:, :, start:end] for t in (query, key, value))
-    if pad:  # zeros after the last token: causal attention of the real tokens never sees them
-        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    elif bucket > 0:  # same canonical (contiguous) strides as the padded copies
-        q, k, v = (t.contiguous() for t in (q, k, v))
+    if bucket > 0:  # zeros after the last token: causal attention of the real tokens never sees them
+        q, k, v = (_bucketed(t, n + pad) for t in (q, k, v))
     out = sdpa_attention_forward(module, q, k, v, None, **kwargs)[0]
     return out[:, :n] if pad else out
+
+
+def _bucketed(t: torch.Tensor, length: int) -> torch.Tensor:
+    """``t`` (batch, heads, n, dim) as a tensor of ``length`` >= n tokens (zeros after the n) with the canonical strides
+    of its layout, so every call of one length shares one cuDNN plan.
+
+    The layout is the input's: (batch, seq, heads, dim) in memory when heads vary faster than positions (the
+    projections' ``view(...).transpose(1, 2)`` of transformers' attention layers), else (batch, heads, seq, dim). A
+    tensor that already has those strides (a one-document row of a bucket multiple) is returned as is: no copy."""
+    b, h, n, d = t.shape
+    seq_major = t.stride(1) < t.stride(2)
+    shape = (b, length, h, d) if seq_major else (b, h, length, d)
+    strides = torch.empty(shape, device="meta").stride()
+    canonical = (strides[0], strides[2], strides[1], strides[3]) if seq_major else strides
+    if length == n and t.stride() == canonical:
+        return t
+    buffer = t.new_empty(shape)
+    buffer = buffer.transpose(1, 2) if seq_major else buffer
+    if length > n:
+        buffer[:, :, n:].zero_()
+    buffer[:, :, :n] = t
+    return buffer
 
 
 def attention_of(model: torch.nn.Module) -> VarlenAttention | None:
@@ -227,9 +249,9 @@ def _plan_shapes(module, config, limit: int, device, dtype, shape_bucket: int) -
     kwargs = {"dropout": 0.0, "scaling": getattr(module, "scaling", None)}
     count = 0
     for length in range(shape_bucket, limit + shape_bucket, shape_bucket):
-        q = torch.randn((1, heads, length, module.head_dim), device=device, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn((1, kv_heads, length, module.head_dim), device=device, dtype=dtype,
-                            requires_grad=True) for _ in range(2))  # fmt: skip
+        # laid out as the projections' views are: (1, seq, heads, dim) in memory, seen as (1, heads, seq, dim)
+        q, k, v = (torch.randn((1, length, n, module.head_dim), device=device, dtype=dtype, requires_grad=True)
+                   .transpose(1, 2) for n in (heads, kv_heads, kv_heads))  # fmt: skip
         out = _document(module, q, k, v, 0, length, kwargs, shape_bucket)
         out.backward(torch.randn_like(out))  # a dense gradient, laid out like the model's (not sum()'s expand)
         count += 1

@@ -169,3 +169,22 @@ def test_trainer_applies_the_odcconfig_attention_setting():
     plain = _model("sdpa")
     assert check(plain, ODCConfig(attention_shape_bucket=0)) is None  # another attention is not touched
     assert plain.config._attn_implementation == "sdpa"
+
+
+def test_bucketed_inputs_keep_the_models_layout_and_skip_copies_of_whole_rows():
+    """Every SDPA call of one length sees the same strides (one cuDNN plan), those of the projections' views; a
+    one-document row of a bucket multiple goes through as is (no copy), a padded or sliced document is copied."""
+    from odc_hf import attention
+
+    g = torch.Generator().manual_seed(0)
+    for seq_major in (True, False):  # (1, seq, heads, dim) memory as transformers' layers make it; or contiguous
+        base = torch.randn((1, 32, 3, 8) if seq_major else (1, 3, 32, 8), generator=g)
+        row = base.transpose(1, 2) if seq_major else base
+        assert attention._bucketed(row, 32) is row
+        padded = attention._bucketed(row[:, :, 5:22], 32)  # a 17-token document padded to the bucket
+        assert padded.shape == row.shape and padded.stride() == row.stride()
+        assert torch.equal(padded[:, :, :17], row[:, :, 5:22]) and not padded[:, :, 17:].any()
+        inner = attention._bucketed(row[:, :, 16:], 16)  # a bucket multiple inside a longer row: copied
+        assert inner.data_ptr() != row.data_ptr() and torch.equal(inner, row[:, :, 16:])
+        # the strides of a whole 16-token row of that layout
+        assert inner.stride() == ((16 * 3 * 8, 8, 3 * 8, 1) if seq_major else (3 * 16 * 8, 16 * 8, 8, 1))
