@@ -29,9 +29,10 @@ training meets new document lengths every step, so without care a packed row of 
 its compute: on 2×H200 (1.5B, ``benchmarks/results/microbatch_probe_*``) LB-Mini's freshly packed rows ran at
 1.25x their cost while the same layouts with warm plans ran at 1.04x. Each document's q/k/v are therefore
 copied into a zero-padded buffer of a multiple of ``shape_bucket`` tokens (padding at the end changes no
-causal output or gradient of the real tokens), laid out as the model's own q/k/v (sequence-major in memory): at most
-``max_length / shape_bucket`` shapes, all planned once (:func:`warm_up` does it up front). A one-document row whose
-length is a bucket multiple already has those strides and goes to SDPA without a copy. The copies and the padded
+causal output or gradient of the real tokens), laid out (batch, seq, heads, dim) in memory whatever layout the
+model's q/k/v have: at most ``max_length / shape_bucket`` shapes, all planned once (:func:`warm_up` does it up front).
+A one-document row whose length is a bucket multiple goes to SDPA without copies of the tensors already in that
+layout (v always; q and k under Liger's rotary embedding). The copies and the padded
 attention cost ~1% at the default bucket.
 
 **Settings.** Each setting is an explicit :class:`VarlenAttention` (``shape_bucket``, ``varlen_kernel``),
@@ -177,21 +178,17 @@ def _document(module, query, key, value, start: int, end: int, kwargs, shape_buc
 
 
 def _bucketed(t: torch.Tensor, length: int) -> torch.Tensor:
-    """``t`` (batch, heads, n, dim) as a tensor of ``length`` >= n tokens (zeros after the n) with the canonical strides
-    of its layout, so every call of one length shares one cuDNN plan.
+    """``t`` (batch, heads, n, dim) as a tensor of ``length`` >= n tokens (zeros after the n) laid out
+    (batch, seq, heads, dim) in memory, with that layout's canonical strides: every SDPA call of one length then
+    has the same strides whatever the model's q/k/v layouts are (one cuDNN plan, the one :func:`warm_up` builds).
 
-    The layout is the input's: (batch, seq, heads, dim) in memory when heads vary faster than positions (the
-    projections' ``view(...).transpose(1, 2)`` of transformers' attention layers), else (batch, heads, seq, dim). A
-    tensor that already has those strides (a one-document row of a bucket multiple) is returned as is: no copy."""
+    That is the layout of the projections' ``view(...).transpose(1, 2)`` in transformers' attention layers (v always;
+    q and k when the rotary embedding keeps it, as Liger's does): a one-document row of a bucket multiple in that
+    layout goes through as is, without a copy."""
     b, h, n, d = t.shape
-    seq_major = t.stride(1) < t.stride(2)
-    shape = (b, length, h, d) if seq_major else (b, h, length, d)
-    strides = torch.empty(shape, device="meta").stride()
-    canonical = (strides[0], strides[2], strides[1], strides[3]) if seq_major else strides
-    if length == n and t.stride() == canonical:
+    if length == n and t.stride() == (n * h * d, d, h * d, 1):
         return t
-    buffer = t.new_empty(shape)
-    buffer = buffer.transpose(1, 2) if seq_major else buffer
+    buffer = t.new_empty((b, length, h, d)).transpose(1, 2)
     if length > n:
         buffer[:, :, n:].zero_()
     buffer[:, :, :n] = t

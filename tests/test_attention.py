@@ -171,20 +171,22 @@ def test_trainer_applies_the_odcconfig_attention_setting():
     assert plain.config._attn_implementation == "sdpa"
 
 
-def test_bucketed_inputs_keep_the_models_layout_and_skip_copies_of_whole_rows():
-    """Every SDPA call of one length sees the same strides (one cuDNN plan), those of the projections' views; a
-    one-document row of a bucket multiple goes through as is (no copy), a padded or sliced document is copied."""
+def test_bucketed_inputs_have_one_layout_and_skip_copies_of_whole_rows():
+    """Every SDPA call of one length sees the same strides (one cuDNN plan, the one warm_up builds): (1, seq, heads,
+    dim) in memory, the projections' layout. A one-document row of a bucket multiple already in that layout goes
+    through as is (no copy); a padded, sliced or otherwise laid out document is copied."""
     from odc_hf import attention
 
     g = torch.Generator().manual_seed(0)
-    for seq_major in (True, False):  # (1, seq, heads, dim) memory as transformers' layers make it; or contiguous
+    canonical = {32: (32 * 3 * 8, 8, 3 * 8, 1), 16: (16 * 3 * 8, 8, 3 * 8, 1)}
+    for seq_major in (True, False):  # (1, seq, heads, dim) memory as transformers' projections make it; or contiguous
         base = torch.randn((1, 32, 3, 8) if seq_major else (1, 3, 32, 8), generator=g)
         row = base.transpose(1, 2) if seq_major else base
-        assert attention._bucketed(row, 32) is row
+        whole = attention._bucketed(row, 32)
+        assert (whole is row) == seq_major and whole.stride() == canonical[32] and torch.equal(whole, row)
         padded = attention._bucketed(row[:, :, 5:22], 32)  # a 17-token document padded to the bucket
-        assert padded.shape == row.shape and padded.stride() == row.stride()
+        assert padded.shape == row.shape and padded.stride() == canonical[32]
         assert torch.equal(padded[:, :, :17], row[:, :, 5:22]) and not padded[:, :, 17:].any()
         inner = attention._bucketed(row[:, :, 16:], 16)  # a bucket multiple inside a longer row: copied
-        assert inner.data_ptr() != row.data_ptr() and torch.equal(inner, row[:, :, 16:])
-        # the strides of a whole 16-token row of that layout
-        assert inner.stride() == ((16 * 3 * 8, 8, 3 * 8, 1) if seq_major else (3 * 16 * 8, 16 * 8, 8, 1))
+        assert inner.data_ptr() != row.data_ptr() and inner.stride() == canonical[16]
+        assert torch.equal(inner, row[:, :, 16:])
