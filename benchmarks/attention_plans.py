@@ -91,9 +91,8 @@ def main(argv=None) -> None:
     if args.child:
         print("RESULT " + json.dumps(_measure(args.child, args.layers)), flush=True)
         return
-    import torch
-
     import report
+    import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("attention_plans.py measures cuDNN plans: it needs a CUDA GPU")
