@@ -45,8 +45,14 @@ def test_trl_grpo_recipe_runs_with_odc(tmp_path):
     assert proc.returncode == 0, output[-6000:]
     assert "odc/bubble_rate" in output  # the ODC trainer (not TRL's) ran: its step metrics are in the logs
     training_losses(output, STEPS)  # one finite loss per step (GRPO's loss does not have to fall)
-    rewards = logged(output, "reward")
-    assert len(rewards) == STEPS and all(math.isfinite(r) and r >= 0 for r in rewards), rewards
+    # The reward is the completions' mean length in characters: > 0 unless every completion came back empty (up to
+    # 12 tokens each). Its spread within the groups is what the advantages are made of: > 0, or nothing trained.
+    # The per-function mean is the same number (one reward function, weight 1).
+    rewards, spread = logged(output, "reward"), logged(output, "reward_std")
+    assert len(rewards) == len(spread) == STEPS, (rewards, spread)
+    assert all(math.isfinite(r) and r > 0 for r in rewards), rewards
+    assert all(math.isfinite(r) and r > 0 for r in spread), spread
+    assert logged(output, "rewards/length_reward/mean") == rewards
     # The recipe's final save_model(): the trained weights and the tokenizer, chat template included.
     assert_trained_copy(load_weights(out), load_weights(model_dir))
     assert_same_tokenizer(out, tokenizer, prompts[0]["prompt"][0]["content"])

@@ -55,9 +55,13 @@ def test_trl_sft_recipe_with_lora_runs_with_odc_and_the_adapter_reloads(tmp_path
     from transformers import AutoModelForCausalLM
 
     tokenizer, conversations, model_dir, out, output = _recipe(
-        tmp_path, 3, "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--learning_rate", "1e-2"
+        tmp_path, 3, "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_target_modules", "all-linear",
+        "--learning_rate", "1e-2",
     )
-    training_losses(output, 3)
+    # Per-step losses of 3 steps on 3 different minibatches: finite, ~ln(151,646) = 11.9 (a random model), but not
+    # falling measurably: each step sees new text, and LoRA cannot rescale the random lm_head. What training did is
+    # checked on the saved adapter below, on the conversations it trained on.
+    assert all(abs(x - 11.9) < 0.5 for x in training_losses(output, 3)), output[-3000:]
     # The recipe's final save_model() writes what PEFT writes: the adapter, not the base model.
     assert not list(out.glob("model*.safetensors"))
     adapter = load_file(out / "adapter_model.safetensors")
@@ -66,10 +70,12 @@ def test_trl_sft_recipe_with_lora_runs_with_odc_and_the_adapter_reloads(tmp_path
     assert lora_b and all(v.abs().max() > 0 for v in lora_b)  # LoRA's B starts at zero: training moved it
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out)
     base = AutoModelForCausalLM.from_pretrained(model_dir)
-    inputs = tokenizer.apply_chat_template(
-        conversations[0]["messages"], return_dict=True, return_tensors="pt"
-    )
-    with torch.no_grad():
-        tuned, plain = reloaded(**inputs).logits, base(**inputs).logits
-    assert torch.isfinite(tuned).all() and not torch.allclose(tuned, plain)  # the adapter is loaded and acts
+    # The reloaded adapter lowers the loss of every conversation the run trained on (all 12 were in its 3 steps),
+    # against the base model it was trained from (measured: by 0.08-0.13 nats; 0.01 is the bound).
+    for conversation in conversations:
+        ids = tokenizer.apply_chat_template(conversation["messages"], return_dict=True, return_tensors="pt")
+        ids = ids["input_ids"][:, :256]  # the recipe's --max_length
+        with torch.no_grad():
+            tuned, plain = reloaded(input_ids=ids, labels=ids).loss, base(input_ids=ids, labels=ids).loss
+        assert torch.isfinite(tuned) and tuned < plain - 0.01, (tuned, plain)
     assert_same_tokenizer(out, tokenizer, conversations[0]["messages"][1]["content"])
