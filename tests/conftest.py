@@ -1,5 +1,7 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and guards that keep tests independent of their order (the suite is
+also run in random orders: tests/README.md)."""
 
+import os
 import sys
 
 import pytest
@@ -15,10 +17,50 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+# TRL's own classes, as their defining modules hold them, and the public names a recipe imports them by.
+_TRL_CLASSES = (("trl.trainer.sft_trainer", "SFTTrainer"), ("trl.trainer.grpo_trainer", "GRPOTrainer"))
+
+
+def _trl_names_not_trls() -> list[str]:
+    """``trl.SFTTrainer`` / ``trl.trainer.GRPOTrainer`` ... that are not TRL's own class (patched by any means: through
+    odc_hf.patch_trl or by assigning the attribute). Only modules already imported are looked at."""
+    wrong = []
+    for defining, name in _TRL_CLASSES:
+        if defining not in sys.modules:
+            continue
+        original = getattr(sys.modules[defining], name)
+        for package in ("trl", "trl.trainer"):
+            module = sys.modules.get(package)
+            if module is not None and getattr(module, name, original) is not original:
+                wrong.append(f"{package}.{name}")
+    return wrong
+
+
 @pytest.fixture(autouse=True)
 def trl_left_unpatched():
     """A test that patches TRL (odc_hf.patch_trl) must undo it: later tests, in any order, see TRL's own classes."""
     yield
-    if "odc_hf.integrations.trl" in sys.modules and sys.modules["odc_hf.integrations.trl"]._PATCHED:
-        sys.modules["odc_hf.integrations.trl"].unpatch_trl()
+    odc_trl = sys.modules.get("odc_hf.integrations.trl")
+    if odc_trl is not None and odc_trl._PATCHED:
+        odc_trl.unpatch_trl()
         pytest.fail("this test left trl.SFTTrainer / trl.GRPOTrainer patched: use `with odc_hf.patch_trl():`")
+    wrong = _trl_names_not_trls()
+    if wrong:
+        for defining, name in _TRL_CLASSES:  # put TRL's classes back so that later tests are not affected
+            if defining in sys.modules:
+                for package in ("trl", "trl.trainer"):
+                    if package in sys.modules:
+                        setattr(sys.modules[package], name, getattr(sys.modules[defining], name))
+        pytest.fail(f"this test left {wrong} bound to something other than TRL's own class")
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Variables a test sets in this process are not seen by later tests (nor by the processes they launch):
+    in-process Accelerators set e.g. ACCELERATE_USE_FSDP / FSDP_* when built with an FSDP plugin, and nothing of
+    accelerate's undoes it. The environment is put back as it was before the test."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)

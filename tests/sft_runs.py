@@ -1,13 +1,18 @@
-"""SFT runs for the trainer tests: ODCSFTTrainer on 2 CPU processes, and its independent reference, TRL's own
-``trl.SFTTrainer`` in ONE process on each whole minibatch (same samples, same step, no distribution; TRL's padded
-batches and transformers' sdpa instead of odc_hf's packed rows and sdpa_varlen).
+"""SFT runs for the trainer tests: ODCSFTTrainer on 2 CPU processes (or 4, as HSDP "2 nodes x 2 ranks" with
+accelerate_configs/cpu_hsdp.yaml), and its independent reference, TRL's own ``trl.SFTTrainer`` in ONE process on
+each whole minibatch (same samples, same step, no distribution; TRL's padded batches and transformers' sdpa instead
+of odc_hf's packed rows and sdpa_varlen). The global minibatch is 8 samples whatever the number of ranks, so one
+reference serves every layout.
 
     ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/cpu.yaml tests/sft_runs.py odc OUT \
-        [--zero_rank_first_step] [--save_steps N] [--resume_from_checkpoint DIR]
+        [--zero_rank_first_step] [--save_steps N] [--resume_from_checkpoint DIR] [--then_resume_from STEP]
     python tests/sft_runs.py trl OUT [--save_steps N]
 
 Both write ``OUT/losses.json``: ``history`` (the Trainer's per-step log: step, loss, grad_norm) and, for ODC,
-``microbatches`` (per step, every rank's microbatch count, from ``trainer.odc_stats``). Everything both runs share
+``microbatches`` (per step, every rank's microbatch count, from ``trainer.odc_stats``) and ``mesh`` (the ranks of the
+model's device mesh: rows are shard groups). ``--then_resume_from STEP`` then builds a fresh trainer (new model,
+optimizer, ODC install) in the same processes, resumes it from ``OUT/checkpoint-STEP`` and writes
+``OUT/resumed/losses.json`` (for launches too costly to repeat: 4 processes importing TRL). Everything the runs share
 (data, model, hyperparameters) is defined once here, so they differ only where the comparison means them to.
 """
 
@@ -17,8 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
-WORLD_SIZE = 2
-PER_RANK = 4  # samples per rank per step: the global minibatch has 8
+MINIBATCH = 8  # samples per step, all ranks together: 4 per rank on 2 ranks, 2 per rank on 4
 MAX_STEPS = 6
 BUDGET = 1024  # tokens per packed microbatch; also TRL's max_length
 MAX_LENGTH = 768  # tokens per sample
@@ -40,7 +44,8 @@ def minibatch_order(num_samples: int) -> list[int]:
     global minibatch; how they are split over ranks and microbatches is what the comparison tests)."""
     from odc_hf.balance import ODCBatchSampler
 
-    sampler = ODCBatchSampler([1] * num_samples, world_size=WORLD_SIZE, rank=0, minibatch_size=WORLD_SIZE * PER_RANK,
+    # which samples form a minibatch depends on the seed and the minibatch size only, not on the number of ranks
+    sampler = ODCBatchSampler([1] * num_samples, world_size=1, rank=0, minibatch_size=MINIBATCH,
                               max_tokens_per_microbatch=BUDGET, seed=SEED)  # fmt: skip
     return [int(i) for step in range(MAX_STEPS) for i in sampler.minibatch_indices(step)]
 
@@ -49,7 +54,7 @@ def sft_config(out: Path, **changes):
     from trl import SFTConfig
 
     fields = dict(
-        output_dir=str(out), max_steps=MAX_STEPS, per_device_train_batch_size=PER_RANK, learning_rate=1e-3,
+        output_dir=str(out), max_steps=MAX_STEPS, per_device_train_batch_size=MINIBATCH, learning_rate=1e-3,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=SEED, logging_steps=1,
         save_strategy="no", report_to="none", bf16=False, max_length=BUDGET, packing=False, dataloader_drop_last=True,
         disable_tqdm=True, dataset_num_proc=None, gradient_checkpointing=False,
@@ -77,8 +82,13 @@ def zero_rank_on_first_step(sampler_cls):
 
 
 def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: str | None) -> dict:
+    import os
+
     from odc_hf import ODCConfig, ODCSFTTrainer
     from odc_hf.data import default_tokenizer, tiny_qwen2_model
+
+    world = int(os.environ["WORLD_SIZE"])  # set by accelerate launch
+    assert MINIBATCH % world == 0, world
 
     tokenizer = default_tokenizer()
     model = tiny_qwen2_model(tokenizer, seed=SEED)
@@ -88,12 +98,18 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
         trainer_cls = type("ZeroFirstODCSFTTrainer", (ODCSFTTrainer,),
                            {"odc_sampler_class": zero_rank_on_first_step(ODCSFTTrainer.odc_sampler_class)})  # fmt: skip
     saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
-    trainer = trainer_cls(model=model, args=sft_config(out, **saving), train_dataset=dataset(tokenizer),
+    args = sft_config(out, per_device_train_batch_size=MINIBATCH // world, **saving)
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset(tokenizer),
                           processing_class=tokenizer,
                           odc_config=ODCConfig(balance="lb_mini", max_tokens_per_microbatch=BUDGET, timeout_s=300))  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
-    return {"history": trainer_history(trainer), "microbatches": [s.microbatches for s in trainer.odc_stats.steps],
-            "odc": trainer.odc is not None, "world": trainer.accelerator.num_processes}  # fmt: skip
+    mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)  # fully_shard's (HSDP: 2-D)
+    result = {"history": trainer_history(trainer), "microbatches": [s.microbatches for s in trainer.odc_stats.steps],
+              "odc": trainer.odc is not None, "world": trainer.accelerator.num_processes,
+              "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}}  # fmt: skip
+    if trainer.odc is not None:
+        trainer.odc.close()  # a trainer resumed in the same processes installs its own
+    return result
 
 
 def run_trl(out: Path, *, save_steps: int) -> dict:
@@ -107,8 +123,7 @@ def run_trl(out: Path, *, save_steps: int) -> dict:
     data = dataset(tokenizer)
     data = data.select(minibatch_order(len(data)))  # TRL reads it in order, one whole minibatch per step
     saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
-    args = sft_config(out, per_device_train_batch_size=WORLD_SIZE * PER_RANK, train_sampling_strategy="sequential",
-                      use_cpu=True, **saving)  # fmt: skip
+    args = sft_config(out, train_sampling_strategy="sequential", use_cpu=True, **saving)
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     assert trainer.accelerator.num_processes == 1
     trainer.train()
@@ -127,17 +142,26 @@ def main(argv=None) -> None:
     p.add_argument("--zero_rank_first_step", action="store_true")
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume_from_checkpoint", default=None)
+    p.add_argument("--then_resume_from", type=int, default=0, help="then resume a fresh trainer from this step")
     args = p.parse_args(argv)
     if args.trainer == "odc":
         result = run_odc(args.out, zero_rank_first_step=args.zero_rank_first_step, save_steps=args.save_steps,
                          resume=args.resume_from_checkpoint)  # fmt: skip
     else:
         result = run_trl(args.out, save_steps=args.save_steps)
+    _write(args.out, result)
+    if args.then_resume_from:
+        resumed = run_odc(args.out / "resumed", zero_rank_first_step=False, save_steps=0,
+                          resume=str(args.out / f"checkpoint-{args.then_resume_from}"))  # fmt: skip
+        _write(args.out / "resumed", resumed)
+
+
+def _write(out: Path, result: dict) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "losses.json").write_text(json.dumps(result, indent=1))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "losses.json").write_text(json.dumps(result, indent=1))
 
 
 # -- for the tests: launch the runs, compare them --------------------------------------------------------------------
@@ -161,11 +185,12 @@ def launch_env() -> dict:
             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
 
-def two_processes(script: str, *args) -> None:
-    """``accelerate launch`` of ``tests/<script>`` on 2 CPU processes (accelerate_configs/cpu.yaml)."""
+def launch(script: str, *args, config: str = "cpu.yaml") -> None:
+    """``accelerate launch`` of ``tests/<script>`` on CPU processes: 2 with accelerate_configs/cpu.yaml, 4 as
+    "2 nodes x 2 ranks" (HSDP) with cpu_hsdp.yaml."""
     from odc_hf.testing import accelerate_cpu
 
-    proc = accelerate_cpu(ROOT / "tests" / script, *args, env=launch_env())
+    proc = accelerate_cpu(ROOT / "tests" / script, *args, env=launch_env(), config=config, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
@@ -181,9 +206,9 @@ def one_process(script: str, *args) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
-def odc_run(out: Path, *args: str) -> dict:
-    """The ODC run on 2 CPU processes; its losses.json."""
-    two_processes("sft_runs.py", "odc", out, *args)
+def odc_run(out: Path, *args: str, config: str = "cpu.yaml") -> dict:
+    """The ODC run on CPU processes (2, or HSDP 2 x 2 with ``config="cpu_hsdp.yaml"``); its losses.json."""
+    launch("sft_runs.py", "odc", out, *args, config=config)
     return json.loads((out / "losses.json").read_text())
 
 

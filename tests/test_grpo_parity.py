@@ -60,10 +60,12 @@ def test_odc_grpo_matches_trl_grpo_step_by_step(runs, loss_type, plan):
     else:
         assert 0 in counts[0] and max(counts[0]) > 0, f"{loss_type}: no rank without microbatches in step 1: {counts}"
     # GRPO losses are sums of per-token terms of size ~|advantage| (0.1-1) that cancel (advantages sum to zero per
-    # group), so their fp32 error is absolute, ~1e-8 (measured <= 6e-8 on CPU, any loss type, both plans); gradient
-    # norms differ by the gradients' summation order (measured <= 3.2e-5 relative).
+    # group; the losses are 4e-9 to 0.36), so their fp32 error is absolute, a few ulps of the terms: measured <= 6e-8
+    # on CPU (any loss type, both plans), bound 1e-6 and no relative part (a relative 1e-5 would allow 3.6e-6 at the
+    # largest loss). Gradient norms carry the summation order of gradients that cancel across the group's completions:
+    # measured 6e-6 to 3.2e-5 relative, bound 1e-4. A lost or doubled microbatch moves both by > 1e-2.
     for a, b in zip(odc["history"], trl["history"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), (a, b)
+        assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
         assert a["reward"] == pytest.approx(b["reward"], rel=1e-6)  # the same rollouts
 

@@ -49,9 +49,12 @@ def test_odc_lora_grpo_matches_trl_lora_grpo_step_by_step(runs, loss_type):
     assert uneven, (
         f"{loss_type}: the ranks should run different microbatch counts on some step: {odc['steps']}"
     )
+    # Losses: absolute fp32 error of cancelling per-token terms (see test_grpo_parity): measured <= 3e-8, bound 1e-6.
+    # Gradient norms: only the adapters' gradients, which cancel far less than the full model's: measured <= 1.2e-7
+    # relative (0 on most steps), bound 2e-6. A lost or doubled microbatch moves both by > 1e-2.
     for a, b in zip(odc["history"], trl["history"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7), (a, b)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+        assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=2e-6), (a, b)
         assert a["reward"] == pytest.approx(b["reward"], rel=1e-6)  # the same rollouts
     # The loss includes beta * KL against the adapter-disabled base: the adapter moved the policy, so the KL term
     # counts in the equal losses above. (The logged KL itself is a mean of per-microbatch means, and the microbatches

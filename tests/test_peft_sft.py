@@ -115,15 +115,17 @@ def test_odc_lora_sft_matches_trl_lora_sft_in_one_process(odc_run, monkeypatch):
     assert any(len(set(step)) > 1 for step in counts[:-1]) and 0 in counts[-1], counts
     reference, ref_params = _trl_single_process(str(path / "trl"), _texts(), sampler)
     for ours, ref in zip(history, reference, strict=True):
-        # fp32 sums of the same terms in another order (packed rows vs padded batch, 2 ranks): measured 1.2e-7 (loss)
-        # and 9.5e-8 (grad norm) relative
-        assert ours["loss"] == pytest.approx(ref["loss"], rel=1e-5), (ours, ref)
-        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4), (ours, ref)
+        # fp32 sums of the same terms in another order (packed rows vs padded batch, 2 ranks): measured <= 1.2e-7
+        # (loss) and <= 2.4e-7 (grad norm) relative; bounds 2e-6 and 4e-6 (16x). A per-rank instead of a global
+        # token normaliser, or a lost microbatch, moves them by > 1e-3.
+        assert ours["loss"] == pytest.approx(ref["loss"], rel=2e-6), (ours, ref)
+        assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=4e-6), (ours, ref)
     from odc_hf.data import default_tokenizer, tiny_qwen2_model
 
     initial = dict(tiny_qwen2_model(default_tokenizer()).named_parameters())
     for name, ref in ref_params.items():
-        if ref.requires_grad:  # LoRA: 11 AdamW steps of lr 2e-3, gradients equal to ~1e-7 (measured 1.1e-6)
+        if ref.requires_grad:  # LoRA: 11 AdamW steps of lr 2e-3 (2.2e-2 of movement), gradients equal to ~1e-7:
+            # measured <= 4.3e-6 absolute (Adam divides by the gradients' running RMS: small ones amplify), bound 2e-5
             torch.testing.assert_close(params[name], ref.detach(), rtol=0, atol=2e-5, msg=name)
         else:  # the frozen base model: bit for bit its initial weights
             base_name = name.replace("base_model.model.", "").replace(".base_layer", "")

@@ -14,7 +14,7 @@ import json
 import api_runs
 import pytest
 import torch
-from sft_runs import assert_same_steps, one_process, two_processes
+from sft_runs import assert_same_steps, launch, one_process
 
 # Same data, model and arithmetic as tests/sft_runs.py (losses within 1.2e-7 relative, gradient norms within 1.2e-5,
 # measured here too; see its tolerances). Weights after 4 AdamW steps: measured <= 1.9e-6 apart; every update moves an
@@ -36,7 +36,7 @@ def _close(ours: dict, theirs: dict) -> None:
 @pytest.fixture(scope="module")
 def loops(tmp_path_factory):
     out = tmp_path_factory.mktemp("loops")
-    two_processes("api_runs.py", "loops", out)
+    launch("api_runs.py", "loops", out)
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny model: one thread is fastest, and other tests' processes share the cores
     try:
@@ -59,7 +59,7 @@ def test_user_accelerate_loop_matches_single_process(loops, entry):
 @pytest.fixture(scope="module")
 def trainers(tmp_path_factory):
     odc, ref = tmp_path_factory.mktemp("trainers_odc"), tmp_path_factory.mktemp("trainers_ref")
-    two_processes("api_runs.py", "trainers", odc)
+    launch("api_runs.py", "trainers", odc)
     one_process("api_runs.py", "trainers-reference", ref)
     return odc, ref
 

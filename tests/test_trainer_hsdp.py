@@ -1,74 +1,58 @@
 """HSDP through the Trainer and accelerate: ODCSFTTrainer on 4 CPU processes as "2 nodes x 2 ranks"
 (accelerate_configs/cpu_hsdp.yaml: a (replicate=2, shard=2) mesh), and the checks that refuse what ODC cannot run.
 
-- With LB-Mini the ranks run uneven microbatch counts; per-step losses and grad norms equal FSDP2's own HSDP (its
-  per-microbatch cross-replica all-reduce on, ODC off) with LB-Micro on the same global minibatches.
-- A fresh trainer resumed from the step-5 checkpoint repeats steps 6-10.
+- With LB-Mini the ranks run uneven microbatch counts, and the last rank (in the second "node") none in the first
+  step; per-step losses and grad norms equal TRL's own SFTTrainer in one process on each whole minibatch
+  (tests/sft_runs.py: an independent reference, no ODC code, no distribution).
+- A fresh trainer resumed from the step-3 checkpoint repeats steps 4-6 (bit for bit, and so TRL's too).
 - A shard group spanning nodes, a 3-D mesh, tensor / context parallel dims and pure replication are refused before
   accelerate builds anything, with what to set instead; odc_hsdp.yaml launches 2 nodes x 8 GPUs as a 2 x 8 mesh.
 
-Two launches only (4 processes importing torch + transformers + TRL cost ~40 s on 2 cores): the ODC launch trains,
-then resumes from its checkpoint in the same processes (tests/sft_then_resume.py); the baseline launch trains once.
+One launch only (4 processes importing torch + transformers + TRL cost ~40 s on 2 cores): it trains, then resumes
+from its checkpoint in the same processes (``sft_runs.py --then_resume_from``).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
+import sft_runs
 import torch
 from accelerate.parallelism_config import ParallelismConfig
+from sft_runs import assert_same_steps, odc_run, trl_reference
 
 from odc_hf.integrations.parallelism import check_topology
-from odc_hf.testing import accelerate_cpu
 
-ROOT = Path(__file__).resolve().parents[1]
-STEPS, CHECKPOINT_STEP = 10, 5
-# Tulu-like lengths cut to 1024 tokens, 2 samples per rank per step, 1024-token microbatches: LB-Mini gives the 4 ranks
-# counts like [1, 1, 2, 2] and [2, 1, 1, 2] on 4 of the 10 steps (2 of them after the checkpoint).
-COMMON = ["--workload", "tulu", "--max_steps", str(STEPS), "--max_length", "1024", "--max_tokens_per_microbatch", "1024",
-          "--per_device_train_batch_size", "2", "--learning_rate", "1e-3"]  # fmt: skip
-
-
-def _launch(*args: str) -> float:
-    started = time.monotonic()
-    proc = accelerate_cpu(*args, config="cpu_hsdp.yaml", timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return time.monotonic() - started
+ROOT = sft_runs.ROOT
+CHECKPOINT_STEP = 3
+STEPS = sft_runs.MAX_STEPS
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     path = tmp_path_factory.mktemp("trainer_hsdp")
-    odc_s = _launch(ROOT / "tests/sft_then_resume.py", "--checkpoint_step", CHECKPOINT_STEP, "--run_dir", path / "odc",
-                    *COMMON, "--odc", "on", "--balance", "lb_mini", "--save_steps", CHECKPOINT_STEP)  # fmt: skip
-    fsdp_s = _launch(ROOT / "examples/sft.py", "--output_dir", path / "fsdp", "--losses_json", path / "fsdp/losses.json",
-                     *COMMON, "--odc", "off", "--balance", "lb_micro")  # fmt: skip
-    print(f"HSDP trainer launches: ODC + resume {odc_s:.0f} s, FSDP2-HSDP baseline {fsdp_s:.0f} s")
-    load = lambda *parts: json.loads(path.joinpath(*parts, "losses.json").read_text())  # noqa: E731
-    return {"odc": load("odc"), "resumed": load("odc", "resumed"), "fsdp": load("fsdp"), "path": path}
+    odc = odc_run(path / "odc", "--zero_rank_first_step", "--save_steps", str(CHECKPOINT_STEP),
+                  "--then_resume_from", str(CHECKPOINT_STEP), config="cpu_hsdp.yaml")  # fmt: skip
+    resumed = json.loads((path / "odc" / "resumed" / "losses.json").read_text())
+    return {"odc": odc, "resumed": resumed, "trl": trl_reference(path / "trl"), "path": path}
 
 
 @pytest.mark.slow
-def test_odc_hsdp_trainer_matches_fsdp2_hsdp_step_by_step(runs):
-    odc, fsdp = runs["odc"], runs["fsdp"]
-    # both sharded over accelerate's (dp_replicate, dp_shard) mesh, built from the YAML
-    for run in (odc, fsdp):
-        # rows are the shard groups ("nodes"), columns the replicate groups
-        expected = {"ranks": [[0, 1], [2, 3]], "names": ["dp_replicate", "dp_shard_cp"]}
-        assert run["mesh"] == expected, run["mesh"]
-    counts = [step["microbatches"] for step in odc["steps"]]  # per step: every rank's microbatch count
-    assert len(counts) == STEPS and all(len(c) == 4 for c in counts)
-    assert sum(len(set(c)) > 1 for c in counts) >= 2, counts  # uneven counts, across the replicas too
-    assert all(len(set(step["microbatches"])) == 1 for step in fsdp["steps"])  # LB-Micro: equal counts
-    assert len(odc["history"]) == len(fsdp["history"]) == STEPS
-    for a, b in zip(odc["history"], fsdp["history"], strict=True):
-        # fp32; the same gradient terms summed in another order (one-sided accumulation per node, then one
-        # all-reduce, vs FSDP2's reduce-scatter + all-reduce per microbatch): a few ulps, ~1e-7 relative.
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+def test_odc_hsdp_trainer_matches_trl_in_one_process_step_by_step(runs):
+    odc, trl = runs["odc"], runs["trl"]
+    assert odc["odc"] and odc["world"] == 4
+    # sharded over accelerate's (dp_replicate, dp_shard) mesh, built from the YAML: rows are the shard groups
+    # ("nodes"), columns the replicate groups
+    assert odc["mesh"] == {"ranks": [[0, 1], [2, 3]], "names": ["dp_replicate", "dp_shard_cp"]}, odc["mesh"]
+    counts = odc["microbatches"]  # per step: every rank's microbatch count
+    assert len(counts) == STEPS and all(len(c) == 4 for c in counts), counts
+    assert counts[0][3] == 0 and counts[0][0] > 1, counts  # the second node's last rank: nothing in step 1
+    assert any(len(set(c)) > 1 for c in counts[1:]), counts  # LB-Mini: uneven counts later, across the nodes too
+    # fp32; the same gradient terms in another order (one-sided accumulation per node, one all-reduce across the
+    # nodes; vs one process on the padded minibatch): sft_runs' tolerances, which say what the arithmetic allows.
+    assert_same_steps(odc["history"], trl["history"], range(1, STEPS + 1))
 
 
 @pytest.mark.slow
@@ -76,17 +60,12 @@ def test_odc_hsdp_trainer_resumes_exactly(runs):
     checkpoint = runs["path"] / "odc" / f"checkpoint-{CHECKPOINT_STEP}"
     assert (checkpoint / "odc_optimizer").is_dir(), "the optimizer is saved shard by shard (DCP)"
     first, resumed = runs["odc"], runs["resumed"]
-    assert len(resumed["steps"]) == STEPS - CHECKPOINT_STEP  # only steps 6-10 ran
-    assert [s["microbatches"] for s in resumed["steps"]] == [
-        s["microbatches"] for s in first["steps"][CHECKPOINT_STEP:]
-    ]
-    before = {h["step"]: h for h in first["history"]}
-    for h in resumed["history"]:
-        if h["step"] > CHECKPOINT_STEP:  # the same processes, plans and arithmetic: bit for bit
-            assert (h["loss"], h["grad_norm"]) == (
-                before[h["step"]]["loss"],
-                before[h["step"]]["grad_norm"],
-            ), h
+    assert len(resumed["microbatches"]) == STEPS - CHECKPOINT_STEP  # only steps 4-6 ran
+    assert resumed["microbatches"] == first["microbatches"][CHECKPOINT_STEP:]
+    assert resumed["history"][:CHECKPOINT_STEP] == first["history"][:CHECKPOINT_STEP]  # the checkpoint's log
+    # The same processes, plans and arithmetic: bit for bit the uninterrupted run's steps (and so TRL's, above).
+    assert resumed["history"][CHECKPOINT_STEP:] == first["history"][CHECKPOINT_STEP:]
+    assert_same_steps(resumed["history"][CHECKPOINT_STEP:], runs["trl"]["history"], range(CHECKPOINT_STEP + 1, STEPS + 1))
 
 
 # -- refusals, before accelerate builds anything -------------------------------------------------------------------
