@@ -51,3 +51,29 @@ def test_cpu_sharded_save_writes_the_files_trl_writes(tmp_path):
     sharded_optimizer = {f for f in odc if f.startswith("checkpoint-2/odc_optimizer/")}
     assert sharded_optimizer, odc
     assert odc - sharded_optimizer == trl - {"checkpoint-2/optimizer.pt"}, (sorted(odc), sorted(trl))
+    _assert_same_contents(tmp_path / "out/trl", tmp_path / "out/odc")
+
+
+def _assert_same_contents(trl: Path, odc: Path) -> None:
+    """What the files hold, not only their names: the same tensors (names, shapes, dtypes; the two runs train other
+    samples, so not the same values), a checkpoint's model equal to the final one it was saved at, the same
+    tokenizer, a trainer state at the same step with the same logged keys, training arguments that load."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    for run in (trl, odc):
+        final, saved = load_file(run / "model.safetensors"), load_file(run / "checkpoint-2/model.safetensors")
+        assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in final), run
+    ours, theirs = load_file(odc / "model.safetensors"), load_file(trl / "model.safetensors")
+    assert {k: (v.shape, v.dtype) for k, v in ours.items()} == {k: (v.shape, v.dtype) for k, v in theirs.items()}
+    assert all(torch.isfinite(v).all() for v in ours.values())
+    assert (odc / "tokenizer.json").read_bytes() == (trl / "tokenizer.json").read_bytes()
+    states = [json.loads((run / "checkpoint-2/trainer_state.json").read_text()) for run in (trl, odc)]
+    assert [s["global_step"] for s in states] == [2, 2]
+    logged = [[sorted(h) for h in s["log_history"] if "loss" in h] for s in states]
+    assert len(logged[0]) == len(logged[1]) == 2 and all(set(a) <= set(b) for a, b in zip(*logged)), logged
+    for run in (trl, odc):
+        args = torch.load(run / "training_args.bin", weights_only=False)
+        assert (args.max_steps, args.save_steps, Path(args.output_dir)) == (2, 2, run), args

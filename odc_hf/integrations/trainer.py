@@ -329,6 +329,12 @@ class ODCMixin:
         state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        # Tied parameters (lm_head / embed_tokens) come back as two gathered copies, which save_pretrained cannot
+        # recognise as one tensor: keep the first name only, as transformers' own save does.
+        first_name: dict[int, str] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if first_name.setdefault(id(param), name) != name:
+                state.pop(name, None)
         if self.accelerator.is_main_process:
             Path(output_dir).mkdir(parents=True, exist_ok=True)
             self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, state_dict=state)
