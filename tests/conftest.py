@@ -61,6 +61,8 @@ def environment_restored():
     accelerate's undoes it. The environment is put back as it was before the test."""
     before = dict(os.environ)
     yield
-    if dict(os.environ) != before:
-        os.environ.clear()
-        os.environ.update(before)
+    for name in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:  # pytest's own: it keeps it up to date
+        del os.environ[name]
+    for name, value in before.items():
+        if name != "PYTEST_CURRENT_TEST" and os.environ.get(name) != value:
+            os.environ[name] = value

@@ -33,7 +33,7 @@ SEED = 0
 def dataset(tokenizer):
     """The offline default text (Python standard library sources), cut to <= 768 tokens: real text, so per-sample
     losses differ and fall as the model learns (random tokens would all cost ln(vocab)); with the 1024-token
-    budget LB-Mini packs 2-4 microbatches per rank, unevenly on some steps."""
+    budget LB-Mini packs 2-4 microbatches per rank on 2 ranks (1-4 on 4), unevenly on some steps."""
     from odc_hf.data import default_tokenized_dataset
 
     return default_tokenized_dataset(tokenizer, NUM_SAMPLES, max_length=MAX_LENGTH, seed=SEED)

@@ -103,7 +103,7 @@ def _step_then_fail(rank, world_size, where, lives_on, signal_dir):
     [("all_reduce", 2, True), ("clip_grad_norm", 2, True), ("full_tensor", 3, True), ("odc_barrier", 2, True),
      ("all_reduce", 3, False)],
 )  # fmt: skip
-def test_every_peer_gets_the_failing_ranks_exception_within_a_second(where, world_size, lives_on, tmp_path):
+def test_every_peer_gets_the_failing_ranks_exception_at_once(where, world_size, lives_on, tmp_path):
     outcomes = run_ranks(_step_then_fail, world_size, where, lives_on, str(tmp_path), timeout_s=240)
     failing = outcomes[1]
     assert failing["error"] == f"RuntimeError: {MESSAGE}", failing  # the failing rank keeps its own exception

@@ -46,12 +46,12 @@ def test_trl_grpo_recipe_runs_with_odc(tmp_path):
     assert "odc/bubble_rate" in output  # the ODC trainer (not TRL's) ran: its step metrics are in the logs
     training_losses(output, STEPS)  # one finite loss per step (GRPO's loss does not have to fall)
     # The reward is the completions' mean length in characters: > 0 unless every completion came back empty (up to
-    # 12 tokens each). Its spread within the groups is what the advantages are made of: > 0, or nothing trained.
-    # The per-function mean is the same number (one reward function, weight 1).
-    rewards, spread = logged(output, "reward"), logged(output, "reward_std")
-    assert len(rewards) == len(spread) == STEPS, (rewards, spread)
+    # 12 tokens each). The advantages are made of the rewards' spread within each group: some group must have one
+    # (frac_reward_zero_std < 1), or nothing trained. The per-function mean is the same number (one function, weight 1).
+    rewards, constant_groups = logged(output, "reward"), logged(output, "frac_reward_zero_std")
+    assert len(rewards) == len(constant_groups) == STEPS, (rewards, constant_groups)
     assert all(math.isfinite(r) and r > 0 for r in rewards), rewards
-    assert all(math.isfinite(r) and r > 0 for r in spread), spread
+    assert all(0 <= f < 1 for f in constant_groups), constant_groups
     assert logged(output, "rewards/length_reward/mean") == rewards
     # The recipe's final save_model(): the trained weights and the tokenizer, chat template included.
     assert_trained_copy(load_weights(out), load_weights(model_dir))

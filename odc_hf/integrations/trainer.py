@@ -330,11 +330,13 @@ class ODCMixin:
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         # Tied parameters (lm_head / embed_tokens) come back as two gathered copies, which save_pretrained cannot
-        # recognise as one tensor: keep the first name only, as transformers' own save does.
+        # recognise as one tensor: make them one again, so that it drops the tied name as it does for its own
+        # state dict (the model's _tied_weights_keys decide which).
         first_name: dict[int, str] = {}
-        for name, param in self.model.named_parameters(remove_duplicate=False):
-            if first_name.setdefault(id(param), name) != name:
-                state.pop(name, None)
+        for name, param in self.accelerator.unwrap_model(self.model).named_parameters(remove_duplicate=False):
+            first = first_name.setdefault(id(param), name)
+            if first != name and first in state and name in state:
+                state[name] = state[first]
         if self.accelerator.is_main_process:
             Path(output_dir).mkdir(parents=True, exist_ok=True)
             self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, state_dict=state)
