@@ -332,14 +332,15 @@ class ODCMixin:
         # Tied parameters (lm_head / embed_tokens) come back as two gathered copies, which save_pretrained cannot
         # recognise as one tensor: make them one again, so that it drops the tied name as it does for its own
         # state dict (the model's _tied_weights_keys decide which).
+        model = self.accelerator.unwrap_model(self.model)
         first_name: dict[int, str] = {}
-        for name, param in self.accelerator.unwrap_model(self.model).named_parameters(remove_duplicate=False):
+        for name, param in model.named_parameters(remove_duplicate=False):
             first = first_name.setdefault(id(param), name)
             if first != name and first in state and name in state:
                 state[name] = state[first]
         if self.accelerator.is_main_process:
             Path(output_dir).mkdir(parents=True, exist_ok=True)
-            self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, state_dict=state)
+            model.save_pretrained(output_dir, state_dict=state)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, Path(output_dir) / TRAINING_ARGS_NAME)  # as Trainer._save: tools read it
