@@ -1,6 +1,7 @@
 """Fixtures shared by several test modules, and guards that keep tests independent of their order (the suite is
 also run in random orders: tests/README.md)."""
 
+import importlib
 import os
 import sys
 
@@ -21,18 +22,19 @@ def one_torch_thread():
 _TRL_CLASSES = (("trl.trainer.sft_trainer", "SFTTrainer"), ("trl.trainer.grpo_trainer", "GRPOTrainer"))
 
 
-def _trl_names_not_trls() -> list[str]:
-    """``trl.SFTTrainer`` / ``trl.trainer.GRPOTrainer`` ... that are not TRL's own class (patched by any means: through
-    odc_hf.patch_trl or by assigning the attribute). Only modules already imported are looked at."""
+def _trl_names_not_trls() -> list[tuple]:
+    """``(module, name, TRL's class)`` for each of ``trl.SFTTrainer`` / ``trl.trainer.GRPOTrainer`` ... that is not
+    TRL's own class (patched by any means: through odc_hf.patch_trl or by assigning the attribute). Nothing is
+    looked at before the test session imported trl; from then on TRL's defining modules are imported to compare."""
+    if "trl" not in sys.modules:
+        return []
     wrong = []
     for defining, name in _TRL_CLASSES:
-        if defining not in sys.modules:
-            continue
-        original = getattr(sys.modules[defining], name)
+        original = getattr(importlib.import_module(defining), name)
         for package in ("trl", "trl.trainer"):
             module = sys.modules.get(package)
             if module is not None and getattr(module, name, original) is not original:
-                wrong.append(f"{package}.{name}")
+                wrong.append((module, name, original))
     return wrong
 
 
@@ -45,13 +47,11 @@ def trl_left_unpatched():
         odc_trl.unpatch_trl()
         pytest.fail("this test left trl.SFTTrainer / trl.GRPOTrainer patched: use `with odc_hf.patch_trl():`")
     wrong = _trl_names_not_trls()
+    for module, name, original in wrong:  # TRL's classes back, so that later tests are not affected
+        setattr(module, name, original)
     if wrong:
-        for defining, name in _TRL_CLASSES:  # put TRL's classes back so that later tests are not affected
-            if defining in sys.modules:
-                for package in ("trl", "trl.trainer"):
-                    if package in sys.modules:
-                        setattr(sys.modules[package], name, getattr(sys.modules[defining], name))
-        pytest.fail(f"this test left {wrong} bound to something other than TRL's own class")
+        names = [f"{module.__name__}.{name}" for module, name, _ in wrong]
+        pytest.fail(f"this test left {names} bound to something other than TRL's own class")
 
 
 @pytest.fixture(autouse=True)
