@@ -46,6 +46,8 @@ def parse_args(argv=None):
         default="sdpa_varlen",
         help="sdpa_varlen (per-document SDPA on packed rows, odc_hf.attention), flash_attention_2, sdpa, ...",
     )
+    p.add_argument("--attention", default=None, choices=["auto", "flash_attention_4", "sdpa_varlen", "model"],
+                   help="ODCConfig.attention (default auto: flash_attention_4 where it runs, else sdpa_varlen)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--gradient_checkpointing", action="store_true", help="same as --activation_checkpointing full")
     p.add_argument("--seed", type=int, default=0)
@@ -128,7 +130,7 @@ def main(argv=None):
     odc_config = ODCConfig.from_env(
         enabled=None if args.odc is None else args.odc == "on",
         balance=balance, cost_model=args.cost_model, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-        truncate=args.truncate,
+        truncate=args.truncate, attention=args.attention,
         activation_checkpointing=args.activation_checkpointing or ("full" if args.gradient_checkpointing else None),
     )  # fmt: skip
     sft_args = ODCSFTConfig(  # TRL's SFTConfig (+ odc_* fields, unused here: odc_config= below wins)
@@ -154,7 +156,7 @@ def main(argv=None):
             mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)  # fully_shard's (HSDP: 2-D)
             Path(args.losses_json).write_text(
                 json.dumps({"history": history, "summary": summary, "steps": steps,
-                            "attention_warm_up": trainer.odc_attention_warm_up,
+                            "attention": trainer.odc_attention, "attention_warm_up": trainer.odc_attention_warm_up,
                             "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}},
                            indent=1)
             )

@@ -20,8 +20,9 @@ document 1.38 s on every path; 2 documents 1.13 s per-document SDPA, 1.35 s varl
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa_varlen")
 
 It is meant for training on packed rows. Anything else (a padding mask, a KV cache, batch > 1) falls back to
-plain ``"sdpa"`` semantics without a mask, so use ``"sdpa"`` for padded batched generation: no padding mask
-is built for this implementation. One host sync per forward reads the boundaries (cached across layers).
+plain ``"sdpa"``, with transformers' own ``sdpa`` mask when the inputs carry a padding mask (:func:`padding_mask`,
+registered with ``AttentionMaskInterface`` under the same name): padded batched generation and TRL's padded GRPO
+rows stay correct. One host sync per forward reads the boundaries (cached across layers).
 
 **Shape buckets.** On Hopper, torch's SDPA runs cuDNN's attention, which builds (and may compile) an execution
 plan for every new shape and stride it meets, ~0.1 s each for forward and again for backward. Variable-length
@@ -52,9 +53,10 @@ from collections import Counter
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["DEFAULT_SHAPE_BUCKET", "VARLEN_ATTENTION", "VarlenAttention", "attention_of", "document_bounds", "register",
-           "sdpa_varlen_attention_forward", "warm_up"]  # fmt: skip
+__all__ = ["DEFAULT_SHAPE_BUCKET", "VARLEN_ATTENTION", "VarlenAttention", "attention_of", "document_bounds", "padding_mask",
+           "register", "sdpa_varlen_attention_forward", "warm_up"]  # fmt: skip
 
 VARLEN_ATTENTION = "sdpa_varlen"
 """The ``attn_implementation`` name this module registers."""
@@ -284,11 +286,22 @@ def _flash_varlen(module, query, key, value, cu_seq_lens, bounds, scaling):
     return out.unsqueeze(0)
 
 
+def padding_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """The mask function of the ``sdpa_varlen`` names (``AttentionMaskInterface``): transformers' ``sdpa`` mask when
+    the inputs carry a 2-D padding mask (padded batches, generation: the attention then falls back to ``sdpa`` with
+    it), else None (packed rows: the attention keeps to the ``cu_seq_lens_q`` boundaries, no mask is built)."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 def register(attention: VarlenAttention | None = None) -> str:
     """Register ``attention`` (default: ``VarlenAttention()``, named ``"sdpa_varlen"``) with transformers under
-    ``attention.name`` (idempotent) and return the name, to pass as ``attn_implementation``."""
+    ``attention.name`` (idempotent), with :func:`padding_mask` as its mask function, and return the name, to pass as
+    ``attn_implementation``."""
     attention = attention if attention is not None else VarlenAttention()
     AttentionInterface.register(attention.name, attention)
+    AttentionMaskInterface.register(attention.name, padding_mask)
     return attention.name
 
 

@@ -17,6 +17,8 @@ from typing import Any
 BALANCE_MODES = ("lb_mini", "lb_micro", "none")
 CHECKPOINTING_NAMES = ("auto", "full", "none")
 KERNEL_CHOICES = ("auto", "liger", "none")
+ATTENTION_CHOICES = ("auto", "flash_attention_4", "sdpa_varlen", "model")
+GRPO_LAYOUTS = ("auto", "packed", "padded")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,6 +46,16 @@ class ODCConfig:
             /dev/shm, or the temp directory when /dev/shm is too small).
         log_timeline: write ``odc_timeline.png`` (per-rank busy/idle per step) to the output directory at the
             end of training.
+        attention: the attention the ODC trainers give the model. ``auto``: transformers' ``flash_attention_4``
+            (FlashAttention-4 varlen, ``pip install 'odc_hf[kernels]'``) where it runs (installed, CUDA compute
+            capability >= 9.0, bf16/fp16 compute, a model that supports flash attention), else ``sdpa_varlen`` (CPU,
+            older GPUs, fp32); a model on another implementation than transformers' default ``sdpa`` (one its user
+            chose: ``eager``, ``flash_attention_2``, ...) keeps it. ``flash_attention_4`` / ``sdpa_varlen``: that one
+            (clear error when FA4 cannot run); ``model``: leave the model's own. docs/attention.md.
+        grpo_layout: ODCGRPOTrainer's training microbatches. ``packed``: prompt+completion sequences back to back
+            in one row per microbatch (per-sequence positions, varlen attention, no padding); ``padded``: TRL's
+            layout (prompts left-padded, completions right-padded); ``auto``: packed, except under ``sdpa_varlen``
+            on CUDA, where padded rows ran faster (docs/grpo.md).
         attention_shape_bucket: for a model on ``attn_implementation="sdpa_varlen"``: pad each document's attention
             inputs to a multiple of this many tokens, so cuDNN plans few shapes, all before training (0: exact
             shapes). See docs/attention.md.
@@ -74,6 +86,8 @@ class ODCConfig:
     activation_checkpointing: str = "auto"
     device_memory_gib: float | None = None
     kernels: str = "auto"
+    attention: str = "auto"
+    grpo_layout: str = "auto"
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:
@@ -106,6 +120,10 @@ class ODCConfig:
             raise ValueError(f"device_memory_gib must be positive, got {self.device_memory_gib}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
+        if self.grpo_layout not in GRPO_LAYOUTS:
+            raise ValueError(f"grpo_layout must be one of {GRPO_LAYOUTS}, got {self.grpo_layout!r}")
         if self.cost_model not in ("flop", "tokens") and not self.cost_model.endswith(".json"):
             raise ValueError(
                 f"cost_model must be 'flop', 'tokens' or a calibration .json path, got {self.cost_model!r}"

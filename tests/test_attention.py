@@ -152,12 +152,12 @@ def test_trainer_applies_the_odcconfig_attention_setting():
 
     from odc_hf import attention
     from odc_hf.config import ODCConfig
-    from odc_hf.integrations.trainer import ODCMixin
+    from odc_hf.integrations.attention_setup import choose_attention
 
     def check(model, config):
         accelerator = SimpleNamespace(unwrap_model=lambda m: m, mixed_precision="no", device=torch.device("cpu"),
                                       is_main_process=True)
-        ODCMixin._odc_check_attention(SimpleNamespace(accelerator=accelerator, model=model, odc_config=config), 64)
+        choose_attention(SimpleNamespace(accelerator=accelerator, model=model, odc_config=config))
         return attention.attention_of(model)
 
     model = _model(VARLEN_ATTENTION)
@@ -167,8 +167,21 @@ def test_trainer_applies_the_odcconfig_attention_setting():
     assert setting == attention.VarlenAttention(shape_bucket=0, varlen_kernel=True)
     assert model.config._attn_implementation == "sdpa_varlen_bucket0_kernel"
     plain = _model("sdpa")
-    assert check(plain, ODCConfig(attention_shape_bucket=0)) is None  # another attention is not touched
+    assert check(plain, ODCConfig(attention_shape_bucket=0, attention="model")) is None  # the model's own: untouched
     assert plain.config._attn_implementation == "sdpa"
+
+
+def test_padded_batches_keep_their_mask_on_sdpa_varlen():
+    """Left-padded batches (generation, TRL's padded GRPO rows) on sdpa_varlen: the padding mask reaches SDPA (the
+    registered mask function), so logits and greedy generation equal transformers' sdpa exactly."""
+    varlen, plain = _model(VARLEN_ATTENTION), _model("sdpa")
+    plain.load_state_dict(varlen.state_dict())
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    a, b = varlen(input_ids=ids, attention_mask=mask).logits, plain(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(a[mask.bool()], b[mask.bool()], rtol=0, atol=0)
+    kwargs = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert torch.equal(varlen.generate(ids, **kwargs), plain.generate(ids, **kwargs))
 
 
 def test_bucketed_inputs_have_one_layout_and_skip_copies_of_whole_rows():

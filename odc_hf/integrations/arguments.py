@@ -60,6 +60,13 @@ class ODCArguments:
     odc_kernels: str | None = field(default=None, metadata={"help": (
         "ODC: Liger's Triton layer kernels: auto (when liger-kernel is installed and training runs on CUDA), "
         "liger (required), none (default auto)")})  # fmt: skip
+    odc_attention: str | None = field(default=None, metadata={"help": (
+        "ODC: the model's attention: auto (flash_attention_4 where it runs: installed, CUDA capability >= 9.0, "
+        "bf16/fp16; else sdpa_varlen; a model on an implementation its user chose keeps it), flash_attention_4, "
+        "sdpa_varlen, or model (leave the model's own) (default auto)")})  # fmt: skip
+    odc_grpo_layout: str | None = field(default=None, metadata={"help": (
+        "ODC: GRPO training microbatches: packed (sequences back to back, no padding), padded (TRL's layout) or "
+        "auto (packed, except sdpa_varlen on CUDA) (default auto)")})  # fmt: skip
 
 
 @dataclasses.dataclass

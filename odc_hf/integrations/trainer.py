@@ -31,7 +31,7 @@ from odc_hf.config import ODCConfig
 from odc_hf.fsdp import is_sharded
 from odc_hf.integrations import compute_path, parallelism
 from odc_hf.integrations.accelerator import adopt, check_launch_before_accelerate
-from odc_hf.integrations.attention_setup import prepare_attention
+from odc_hf.integrations.attention_setup import choose_attention, prepare_attention
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
 from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
 from odc_hf.integrations.failures import failure_guard
@@ -94,10 +94,12 @@ class ODCMixin:
         self.odc_config = odc_config
         self.odc_stats = RunStats()
         self.odc_microbatch_timings: list[tuple[list[int], float]] = []
-        self.odc_attention_warm_up: dict | None = None  # {"shapes", "seconds", "dtype"} once warm_up ran
+        self.odc_attention_warm_up: dict | None = None  # {"kind", "shapes", "seconds", "dtype"} once a warm-up ran
+        self.odc_attention: dict | None = None  # {"choice", "implementation", "reason"}: ODCConfig.attention resolved
         self.odc_compute: compute_path.ComputePath | None = None
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
+        self.odc_attention = choose_attention(self)
         if self.odc_compute_path:
             self.odc_compute = compute_path.setup(self)
 
@@ -217,7 +219,7 @@ class ODCMixin:
                             num_workers=self.args.dataloader_num_workers)  # fmt: skip
 
     def _odc_check_attention(self, budget: int) -> None:
-        """The attention setting ODCConfig names, its cuDNN plans on a GPU, and a warning for slow packed-row attention
+        """The attention's warm-up on a GPU (cuDNN plans of sdpa_varlen, FA4's kernel compilation) before step 1
         (:func:`odc_hf.integrations.attention_setup.prepare_attention`)."""
         prepare_attention(self, budget)
 
@@ -406,6 +408,7 @@ class ODCMixin:
         }
         if self.odc_compute is not None:  # costs per token depend on the kernels and checkpointing
             payload["compute_path"] = self.odc_compute.describe()
+        payload["attention"] = self.odc_attention  # and on the attention kernel
         try:
             fitted = QuadraticCostModel.fit_microbatches(payload["microbatches"], payload["seconds"])
             payload.update(fitted.to_dict())
@@ -424,7 +427,8 @@ class ODCMixin:
             return
         self.odc_summary = summary
         if self.odc_config.log_timeline:
-            path = plot_timeline(self.odc_stats.steps[-50:], Path(self.args.output_dir) / "odc_timeline.png")
+            title = f"ODC per-rank timeline ({(self.odc_attention or {}).get('implementation')} attention)"
+            path = plot_timeline(self.odc_stats.steps[-50:], Path(self.args.output_dir) / "odc_timeline.png", title=title)
             logger.info("odc_hf: timeline written to %s", path)
 
 

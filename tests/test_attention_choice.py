@@ -1,0 +1,105 @@
+"""ODCConfig.attention: "auto" resolves to FlashAttention-4 only where it runs (installed, CUDA capability >= 9.0,
+bf16/fp16, a flash-capable model), to sdpa_varlen elsewhere, and keeps an implementation the model's user chose.
+FA4 cannot be installed on the CPU machines CI runs on: its availability and the GPU's capability are mocked here,
+in the resolution logic only (the real FA4 path is tests/test_attention_fa4_gpu.py, `pytest -m gpu`)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from odc_hf.attention import VARLEN_ATTENTION
+from odc_hf.config import ODCConfig
+from odc_hf.data import tiny_qwen2_config
+from odc_hf.integrations import attention_setup
+from odc_hf.integrations.attention_setup import (
+    FLASH_ATTENTION_4,
+    choose_attention,
+    fa4_problem,
+    resolve_attention,
+)
+
+FLASH_MODEL = SimpleNamespace(_supports_flash_attn=True)
+
+
+def _model(attn: str) -> Qwen2ForCausalLM:
+    return Qwen2ForCausalLM._from_config(tiny_qwen2_config(97), attn_implementation=attn, dtype=torch.float32)
+
+
+def _trainer(model, **config):
+    accelerator = SimpleNamespace(unwrap_model=lambda m: m, mixed_precision="no", device=torch.device("cpu"),
+                                  is_main_process=True)  # fmt: skip
+    return SimpleNamespace(accelerator=accelerator, model=model, odc_config=ODCConfig(**config))
+
+
+def test_fa4_needs_the_package_cuda_hopper_and_half_precision(monkeypatch):
+    monkeypatch.setattr(attention_setup, "fa4_installed", lambda: False)
+    assert "not installed" in fa4_problem("cuda", torch.bfloat16, FLASH_MODEL)
+    monkeypatch.setattr(attention_setup, "fa4_installed", lambda: True)
+    assert "CUDA only" in fa4_problem("cpu", torch.bfloat16, FLASH_MODEL)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # A100
+    assert "8.0" in fa4_problem("cuda:0", torch.bfloat16, FLASH_MODEL)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # H100 / H200
+    assert "float32" in fa4_problem("cuda:0", None, FLASH_MODEL)
+    assert "does not support" in fa4_problem("cuda:0", torch.bfloat16, SimpleNamespace())
+    assert fa4_problem("cuda:0", torch.bfloat16, FLASH_MODEL) is None
+    assert fa4_problem("cuda:0", torch.float16, FLASH_MODEL) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # B200
+    assert fa4_problem("cuda:0", torch.bfloat16, FLASH_MODEL) is None
+
+
+def test_fa4_is_absent_here():
+    """This CPU machine: transformers' own check says no, whatever is installed."""
+    assert "not installed" in fa4_problem("cpu", torch.float32) or "CUDA only" in fa4_problem("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("current", ["sdpa", VARLEN_ATTENTION, "sdpa_varlen_bucket0"])
+def test_auto_replaces_transformers_default_and_sdpa_varlen(current):
+    from odc_hf.attention import VarlenAttention, register
+
+    register(VarlenAttention(shape_bucket=0))
+    assert resolve_attention("auto", current, None, VARLEN_ATTENTION)[0] == FLASH_ATTENTION_4
+    name, why = resolve_attention("auto", current, "training runs on cpu", VARLEN_ATTENTION)
+    assert name == VARLEN_ATTENTION and "cpu" in why
+
+
+@pytest.mark.parametrize("current", ["eager", "flash_attention_2", FLASH_ATTENTION_4, "kernels-community/flash-attn3"])
+def test_auto_keeps_an_implementation_the_user_chose(current):
+    assert resolve_attention("auto", current, None, VARLEN_ATTENTION)[0] == current
+    assert resolve_attention("auto", current, "no GPU", VARLEN_ATTENTION)[0] == current
+
+
+def test_explicit_choices_force_one():
+    assert resolve_attention("sdpa_varlen", "eager", None, VARLEN_ATTENTION)[0] == VARLEN_ATTENTION
+    assert resolve_attention("flash_attention_4", "sdpa", None, VARLEN_ATTENTION)[0] == FLASH_ATTENTION_4
+    assert resolve_attention("model", "sdpa", None, VARLEN_ATTENTION)[0] == "sdpa"
+    with pytest.raises(ValueError, match=r"attention='flash_attention_4'\), but no GPU. Set attention='auto'"):
+        resolve_attention("flash_attention_4", "sdpa", "no GPU", VARLEN_ATTENTION)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        ODCConfig(attention="flash_attention_3")
+
+
+def test_trainer_setup_on_cpu_picks_sdpa_varlen_and_says_why(caplog):
+    model = _model("sdpa")
+    with caplog.at_level("INFO", logger="odc_hf.integrations.attention_setup"):
+        record = choose_attention(_trainer(model))
+    assert model.config._attn_implementation == VARLEN_ATTENTION
+    assert record["choice"] == "auto" and record["implementation"] == VARLEN_ATTENTION
+    assert "sdpa_varlen because" in record["reason"] and "sdpa_varlen" in caplog.text
+    eager = _model("eager")
+    with caplog.at_level("WARNING"):
+        assert choose_attention(_trainer(eager))["implementation"] == "eager"  # the user's choice
+    assert eager.config._attn_implementation == "eager" and "dense block-diagonal mask" in caplog.text
+    with pytest.raises(ValueError, match="not installed|CUDA only"):
+        choose_attention(_trainer(_model("sdpa"), attention="flash_attention_4"))
+
+
+def test_reference_model_gets_the_same_attention():
+    model, ref = _model("sdpa"), _model("sdpa")
+    trainer = _trainer(model)
+    trainer.ref_model = ref
+    choose_attention(trainer)
+    assert ref.config._attn_implementation == model.config._attn_implementation == VARLEN_ATTENTION
