@@ -61,6 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--balance", choices=["lb_mini", "lb_micro", "none"], default=None)
     p.add_argument("--cost_model", default=None, help="flop | tokens | calibration.json")
     p.add_argument("--max_tokens_per_microbatch", type=int, default=None)
+    p.add_argument("--grpo_layout", choices=["auto", "packed", "padded"], default=None,
+                   help="training microbatches: packed rows (no padding) or TRL's padded layout (default auto)")
+    p.add_argument("--attention", choices=["auto", "flash_attention_4", "sdpa_varlen", "model"], default=None,
+                   help="ODCConfig.attention (default auto: flash_attention_4 where it runs, else sdpa_varlen)")
     p.add_argument("--losses_json", default=None, help="write per-step losses and microbatch counts here")
     return p.parse_args(argv)
 
@@ -167,7 +171,8 @@ def train_one(args, loss_type: str, tokenizer, dataset):
         kwargs["rollout_func"] = fixed_rollouts(tokenizer, args.max_completion_length)
     if args.trainer == "odc":
         odc_config = ODCConfig.from_env(balance=args.balance, cost_model=args.cost_model,
-                                        max_tokens_per_microbatch=args.max_tokens_per_microbatch)  # fmt: skip
+                                        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                                        grpo_layout=args.grpo_layout, attention=args.attention)  # fmt: skip
         trainer = grpo_lazy("ODCGRPOTrainer")(**kwargs, odc_config=odc_config)
     else:
         trainer = GRPOTrainer(**kwargs)
@@ -175,10 +180,11 @@ def train_one(args, loss_type: str, tokenizer, dataset):
     history = [h for h in trainer.state.log_history if "loss" in h]
     steps = [{"microbatches": s.microbatches, "busy_s": s.busy_s, "wait_s": s.wait_s}
              for s in getattr(trainer, "odc_stats", None).steps] if args.trainer == "odc" else []  # fmt: skip
+    layout = {"attention": trainer.odc_attention, "packed": trainer.odc_grpo_packed} if args.trainer == "odc" else {}
     for handle in (getattr(trainer, "odc", None), getattr(trainer, "odc_ref", None)):
         if handle is not None:
             handle.close()
-    return trainer, {"history": history, "steps": steps}
+    return trainer, {"history": history, "steps": steps, **layout}
 
 
 def main(argv=None) -> None:

@@ -2,7 +2,11 @@
 equal TRL's own GRPOTrainer (DDP collectives, TRL's loss code with its per-microbatch collectives) on the same
 rollouts, for every supported loss type, with a reference model (beta > 0, on ODC): once with LB-Mini giving the
 ranks different numbers of microbatches, once with a launch-bound cost model under which one rank trains every
-sample of a step and the other none, from the first step on."""
+sample of a step and the other none, from the first step on. The uneven plan runs the packed layout (the default on
+CPU: each microbatch one row of prompt+completion sequences on sdpa_varlen, the reference log-probs from packed rows
+too), the zero plan TRL's padded layout (ODCConfig.grpo_layout="padded"). A rank without microbatches runs no
+forward at all, whatever the layout; the packed planner (LB-Mini's) never leaves a rank idle when splitting lowers
+the step time, so the zero plan is reachable through the padded planner's tie-break (least total cost) only."""
 
 from __future__ import annotations
 
@@ -33,17 +37,23 @@ def launch(tmp_path: Path, name: str, *extra: str) -> dict:
 # least the floor, far above its work. With a budget that fits a whole generation batch in one padded microbatch,
 # the cheapest plan is one microbatch on one rank: the other rank trains nothing, every step, the first included.
 LAUNCH_BOUND = {"a": 0.0, "b": 1e-6, "c": 0.0, "floor": 1.0}
+# Attention-bound costs (quadratic term dominant): LB-Mini then gives the rank of long sequences fewer tokens, so the
+# packed rows of 64 tokens split 3/4 and 4/3 in this run's steps (the flop model of the tiny model is nearly linear and
+# splits evenly).
+QUADRATIC = {"a": 0.0, "b": 1e-6, "c": 1e-5}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo_parity")
-    cost_model = tmp / "launch_bound.json"
-    cost_model.write_text(json.dumps(LAUNCH_BOUND))
+    launch_bound, quadratic = tmp / "launch_bound.json", tmp / "quadratic.json"
+    launch_bound.write_text(json.dumps(LAUNCH_BOUND))
+    quadratic.write_text(json.dumps(QUADRATIC))
     return {
-        "uneven": launch(tmp, "odc", "--trainer", "odc", "--balance", "lb_mini", "--max_tokens_per_microbatch", "64"),
+        "uneven": launch(tmp, "odc", "--trainer", "odc", "--balance", "lb_mini", "--max_tokens_per_microbatch", "64",
+                         "--cost_model", str(quadratic)),
         "zero": launch(tmp, "zero", "--trainer", "odc", "--balance", "lb_mini", "--max_tokens_per_microbatch", "4096",
-                       "--cost_model", str(cost_model)),
+                       "--cost_model", str(launch_bound), "--grpo_layout", "padded"),
         "trl": launch(tmp, "trl", "--trainer", "trl"),
     }  # fmt: skip
 
@@ -54,6 +64,7 @@ def runs(tmp_path_factory):
 def test_odc_grpo_matches_trl_grpo_step_by_step(runs, loss_type, plan):
     odc, trl = runs[plan][loss_type], runs["trl"][loss_type]
     assert len(odc["history"]) == len(trl["history"]) == 4
+    assert odc["packed"] == (plan == "uneven") and odc["attention"]["implementation"] == "sdpa_varlen", odc
     counts = [s["microbatches"] for s in odc["steps"]]
     if plan == "uneven":
         assert any(len(set(c)) > 1 and min(c) > 0 for c in counts), f"{loss_type}: no step with uneven counts: {counts}"
@@ -63,7 +74,8 @@ def test_odc_grpo_matches_trl_grpo_step_by_step(runs, loss_type, plan):
     # group; the losses are 4e-9 to 0.36), so their fp32 error is absolute, a few ulps of the terms: measured <= 6e-8
     # on CPU (any loss type, both plans), bound 1e-6 and no relative part (a relative 1e-5 would allow 3.6e-6 at the
     # largest loss). Gradient norms carry the summation order of gradients that cancel across the group's completions:
-    # measured 6e-6 to 3.2e-5 relative, bound 1e-4. A lost or doubled microbatch moves both by > 1e-2.
+    # measured 6e-6 to 3.2e-5 relative, bound 1e-4 (packed rows: losses within 6e-8, gradient norms 2.4e-5 to
+    # 3.2e-5, as padded). A lost or doubled microbatch moves both by > 1e-2.
     for a, b in zip(odc["history"], trl["history"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)

@@ -1,9 +1,13 @@
-"""The GRPO batch as ODC trains it: TRL's generation batch -> weighted samples -> padded microbatches.
+"""The GRPO batch as ODC trains it: TRL's generation batch -> weighted samples -> microbatches.
 
 :func:`sample_weights` gives every sample the weight TRL's loss normalisation gives it, :func:`unbatch` splits TRL's
-padded generation batch into unpadded samples (what ranks exchange), and :func:`collate` pads the samples of one
-planned microbatch back into TRL's layout (prompts left-padded, completions right-padded). Which samples go in
-which microbatch is planned by :func:`odc_hf.balance.padded.plan_padded`; the trainer is ``odc_hf.integrations.grpo``.
+padded generation batch into unpadded samples (what ranks exchange), and :func:`collate` puts the samples of one
+planned microbatch back into TRL's layout (prompts left-padded, completions right-padded): the tensors TRL's loss
+reads. With ``packed=True`` it adds the row the model really runs on (:func:`pack_rows`): the same sequences back to
+back, no padding, and the index that puts the row's per-token log-probs back into TRL's (rows, completion columns)
+layout, where TRL's loss code then runs unchanged. Which samples go in which microbatch is planned by
+:func:`odc_hf.balance.padded.plan_padded` (padded) or the packed planners (``odc_hf.balance.planner``); the trainer is
+``odc_hf.integrations.grpo``.
 """
 
 from __future__ import annotations
@@ -13,8 +17,8 @@ import torch
 from odc_hf.balance.padded import padded_width
 from odc_hf.integrations.bundle import Bundle
 
-__all__ = ["CUDA_PAD_TO_MULTIPLE_OF", "GRPOBundle", "SUPPORTED_LOSS_TYPES", "collate", "sample_length", "sample_weights",
-           "unbatch"]  # fmt: skip
+__all__ = ["CUDA_PAD_TO_MULTIPLE_OF", "GRPOBundle", "PACKED_KEY", "SUPPORTED_LOSS_TYPES", "collate", "pack_rows",
+           "sample_length", "sample_weights", "scatter_packed", "unbatch"]  # fmt: skip
 
 SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 
@@ -105,10 +109,11 @@ pytorch/pytorch#196678. Seen here as NaN weights after one such ODC microbatch (
 of 128 are clean, and fewer distinct widths also mean fewer cuDNN plans to build."""
 
 
-def collate(samples: list[dict], pad_token_id: int, device, *, pad_to_multiple_of: int = 1) -> dict:
-    """Samples -> one padded microbatch in TRL's layout (prompts left-padded, completions right-padded).
+def collate(samples: list[dict], pad_token_id: int, device, *, pad_to_multiple_of: int = 1, packed: bool = False) -> dict:
+    """Samples -> one microbatch in TRL's layout (prompts left-padded, completions right-padded).
 
     ``pad_to_multiple_of`` widens the completion side (masked columns) so that the whole row is a multiple of it.
+    ``packed``: also the packed row the model runs on, under :data:`PACKED_KEY` (:func:`pack_rows`).
     """
     prompt_width = max(s["prompt_ids"].numel() for s in samples)
     completion_width = padded_width(prompt_width, max(s["completion_ids"].numel() for s in samples),
@@ -140,7 +145,62 @@ def collate(samples: list[dict], pad_token_id: int, device, *, pad_to_multiple_o
         batch["odc_slice"] = torch.tensor([s["odc_slice"] for s in samples], dtype=torch.long)
     loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
     batch["num_label_tokens"] = int(loss_mask.sum())
+    if packed:
+        batch[PACKED_KEY] = pack_rows(torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+                                      torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+                                      batch["completion_ids"].size(1))  # fmt: skip
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+PACKED_KEY = "odc_packed"
+"""The microbatch key of the packed row (a dict, see :func:`pack_rows`); the trainer pops it before TRL's loss."""
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> dict:
+    """TRL's padded (rows, columns) model inputs -> one packed row of the attended tokens, for a varlen forward.
+
+    Each row's attended tokens (``attention_mask`` 1: the prompt, then the completion up to its end) go back to back;
+    ``position_ids`` count columns from the row's first attended token (0, 1, ... for contiguous tokens; a masked
+    column inside a row keeps its distance, as in the padded forward); ``labels`` are TRL's (the token where it is
+    scored, -100 elsewhere and at every sequence start, so nothing is predicted across a boundary). The boundaries
+    come as ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` (Python ints), the form transformers' flash path
+    passes straight to the varlen kernel (no host sync per layer, unlike boundaries derived from ``position_ids``;
+    docs/attention.md) and ``sdpa_varlen`` reads once per forward. ``index`` (rows, ``logits_to_keep``) points each
+    scored column at its token's entry in the fused head's shifted log-probs, or at a zero past their end
+    (:func:`scatter_packed`). Built on the CPU: one read of the mask, never per layer.
+    """
+    input_ids, mask = input_ids.cpu(), attention_mask.cpu().bool()
+    rows, width = mask.shape
+    kept = mask.flatten().nonzero().flatten()  # flat (row * width + column) of every attended token, row by row
+    row_of, column = kept // width, kept % width
+    lengths = mask.sum(1)
+    starts = torch.cumsum(lengths, 0) - lengths  # packed offset of each row's first token
+    first_column = torch.full((rows,), width, dtype=torch.long).scatter_reduce(0, row_of, column, "amin")
+    total = int(kept.numel())
+    position = torch.arange(total) - starts[row_of]  # index within the row's attended tokens
+    labels = torch.where(column >= width - logits_to_keep, input_ids.flatten()[kept], -100)
+    labels[position == 0] = -100
+    packed_at = torch.full((rows * width,), -1, dtype=torch.long)
+    packed_at[kept] = torch.arange(total)
+    scored = packed_at.view(rows, width)[:, width - logits_to_keep :]
+    # the fused head's log-probs are shifted (entry t scores token t + 1); entry total - 1 is the appended zero
+    index = torch.where(scored > 0, scored - 1, total - 1)
+    sizes = lengths[lengths > 0]
+    cu = torch.zeros(len(sizes) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(sizes, 0)
+    longest = int(sizes.max()) if len(sizes) else 0
+    return {"input_ids": input_ids.flatten()[kept].unsqueeze(0), "position_ids": (column - first_column[row_of]).unsqueeze(0),
+            "labels": labels.unsqueeze(0), "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": longest,
+            "max_length_k": longest, "index": index}  # fmt: skip
+
+
+def scatter_packed(per_token: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    """The packed row's (1, T - 1) shifted per-token values -> TRL's (rows, completion columns) layout, 0 where TRL
+    has 0 (unscored columns). Differentiable (a gather)."""
+    if per_token is None:
+        return None
+    flat = torch.cat([per_token.reshape(-1), per_token.new_zeros(1)])
+    return flat[index]
 
 
 class GRPOBundle(Bundle):
@@ -148,4 +208,5 @@ class GRPOBundle(Bundle):
 
     @property
     def input_tokens(self) -> int:  # tokens the forward passes process, padding included
-        return sum(int(mb["prompt_ids"].numel() + mb["completion_ids"].numel()) for mb in self.microbatches)
+        return sum(int(mb[PACKED_KEY]["input_ids"].numel()) if PACKED_KEY in mb
+                   else int(mb["prompt_ids"].numel() + mb["completion_ids"].numel()) for mb in self.microbatches)  # fmt: skip
