@@ -12,7 +12,16 @@ itself uses: documents concatenated into one row, ``position_ids`` restarting at
 attention mask (transformers then derives a block-diagonal causal mask from ``position_ids``; an
 all-ones mask would join the documents), the label of every document's first token set to -100 so no
 token is predicted across a boundary, and ``cu_seq_lens_*`` / ``max_length_*`` / ``seq_idx`` for
-varlen kernels. What it does not do, and this module adds: folding ``completion_mask`` /
+varlen kernels.
+
+Those boundaries are what the attention reads, once per forward, never per layer: transformers' flash path
+(``flash_attention_4``, ``modeling_flash_attention_utils._flash_attention_forward``) hands ``cu_seq_lens_q/k`` (int32,
+on the device with the batch) and ``max_length_q/k`` (Python ints) straight to the varlen kernel when all four are
+there; from ``position_ids`` alone it would re-derive them in every layer (``_is_packed_sequence`` reads the positions
+back to the host, ``prepare_fa_kwargs_from_position_ids`` runs a ``nonzero``: host syncs per layer). ``sdpa_varlen``
+reads ``cu_seq_lens_q`` once per forward (cached across layers). ``position_ids`` stay for the rotary embedding and
+transformers' mask code (one read per forward, ``find_packed_sequence_indices``). ``tests/test_attention_boundaries.py``
+checks what every layer receives. What it does not do, and this module adds: folding ``completion_mask`` /
 ``assistant_masks`` into the labels (TRL does that during dataset preparation), truncation to the
 token budget, empty dummy microbatches, and ``num_label_tokens``.
 """
