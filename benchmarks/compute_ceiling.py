@@ -19,6 +19,11 @@ of the same weights. Each model runs in its own process (Liger's patches are pro
     python benchmarks/compute_ceiling.py --out benchmarks/results                         # one GPU, ~8 min
     python benchmarks/compute_ceiling.py --models 7B:8192,16384 --tag _7b --out $OUT
     python benchmarks/compute_ceiling.py --tiny --out /tmp/cc                               # CPU dry run
+    python benchmarks/compute_ceiling.py --attn flash_attention_4,sdpa_varlen --models 1.5B --out $OUT
+
+``--attn`` with several implementations (a comma list of auto, flash_attention_4, sdpa_varlen, ...) runs them side by
+side instead, interleaved on the default path, on LongAlign-like, Tulu-like and GRPO-like rows
+(``benchmarks/attention_compare.py``).
 """
 
 from __future__ import annotations
@@ -243,11 +248,17 @@ def main(argv=None) -> None:
         action="store_true",
         help="only the default path without checkpointing on single documents (no AC sweep, no calibration)",
     )
-    parser.add_argument("--attn", default="sdpa_varlen", help="attn_implementation (sdpa_varlen, sdpa, ...)")
+    parser.add_argument("--attn", default="sdpa_varlen",
+                        help="attn_implementation (sdpa_varlen, sdpa, ...); a comma list (auto, flash_attention_4, "
+                             "sdpa_varlen): those side by side, interleaved (benchmarks/attention_compare.py)")
+    parser.add_argument("--ac", default="none", help="activation checkpointing of the --attn list comparison")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     import report
+
+    if "," in args.attn or args.attn == "auto":
+        return compare_attention(args)
 
     specs = [("tiny", [128, 256])] if args.tiny else [
         (m.split(":")[0], [int(x) for x in m.split(":")[1].split(",")]) for m in args.models]  # fmt: skip
@@ -274,6 +285,33 @@ def main(argv=None) -> None:
             print(f"{size} failed: {err}", flush=True)
         markdown = render(payload)
         report.write(args.out, stem, payload, markdown)  # after every model: a later failure loses nothing
+    print(markdown)
+    if payload["failed"]:
+        raise SystemExit(f"failed: {payload['failed']}")
+
+
+def compare_attention(args) -> None:
+    """``--attn A,B,...``: the implementations side by side (benchmarks/attention_compare.py), one process per model."""
+    import attention_compare
+    import report
+
+    attns = [a.strip() for a in args.attn.split(",") if a.strip()]
+    sizes = ["tiny"] if args.tiny else [m.split(":")[0] for m in args.models]
+    env = report.environment()
+    payload = {"env": env, "args": vars(args), "peak_tflops": PEAK_TFLOPS, "models": [], "failed": []}
+    stem = f"attention_compare_{report.hardware_tag(env)}_{report.today()}{args.tag}"
+    options = {"tiny": args.tiny, "repeats": args.repeats, "ac": args.ac, "peak_tflops": PEAK_TFLOPS}
+    ctx = mp.get_context("spawn")
+    markdown = ""
+    for size in sizes:
+        try:
+            with ctx.Pool(1) as pool:
+                payload["models"].append(pool.apply(attention_compare.run, (size, attns, options)))
+        except Exception as err:  # noqa: BLE001 - keep what the other models measured
+            payload["failed"].append({"size": size, "error": f"{type(err).__name__}: {err}"})
+            print(f"{size} failed: {err}", flush=True)
+        markdown = attention_compare.render(payload)
+        report.write(args.out, stem, payload, markdown)
     print(markdown)
     if payload["failed"]:
         raise SystemExit(f"failed: {payload['failed']}")

@@ -74,7 +74,8 @@ def launch(tmp_path: Path, name: str, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo_metrics")
-    odc = launch(tmp, "odc", "--trainer", "odc", "--balance", "lb_micro", "--max_tokens_per_microbatch", "112")
+    # packed rows (the CPU default) of at most 64 tokens: 3-4 per rank where TRL runs 2
+    odc = launch(tmp, "odc", "--trainer", "odc", "--balance", "lb_micro", "--max_tokens_per_microbatch", "64")
     return odc, launch(tmp, "trl", "--trainer", "trl")
 
 
