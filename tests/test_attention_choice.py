@@ -103,3 +103,16 @@ def test_reference_model_gets_the_same_attention():
     trainer.ref_model = ref
     choose_attention(trainer)
     assert ref.config._attn_implementation == model.config._attn_implementation == VARLEN_ATTENTION
+
+
+def test_flash_attention_4_comes_with_the_kernels_extra_only():
+    """`pip install odc_hf[kernels]` brings FA4 with the CUTLASS DSL's CUDA 13 libraries; CI's `test` extra does not."""
+    from pathlib import Path
+
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]  # fmt: skip
+    assert any(r.startswith("flash-attn-4[cu13]>=4.0.0b36") for r in extras["kernels"])
+    assert any(r.startswith("nvidia-cutlass-dsl[cu13]") for r in extras["kernels"])
+    assert not any("flash-attn" in r or "cutlass" in r for r in extras["test"])
