@@ -154,7 +154,9 @@ def run(size: str, attns: list[str], args: dict) -> dict:
     budget = 512 if tiny else 16384
     prompt = 8 if tiny else GRPO_PROMPT
     completions = [max(2, c // 64) for c in grpo_group()[:16]] if tiny else grpo_group()
-    work = {name: (docs, _sft_batch(docs, config.vocab_size, device, i)) for i, (name, docs) in enumerate(rows(tiny))}
+    longest = args.get("max_tokens") or 10**9  # SIZE:TOKENS in --models: rows up to that many tokens (7B: 16384)
+    work = {name: (docs, _sft_batch(docs, config.vocab_size, device, i))
+            for i, (name, docs) in enumerate(rows(tiny)) if sum(docs) <= longest}  # fmt: skip
     for layout in ("padded", "packed"):
         mbs = grpo_microbatches(completions, prompt, config.vocab_size, device, budget, packed=layout == "packed")
         work[f"grpo {layout}"] = ([prompt + c for c in completions], mbs)
@@ -180,16 +182,23 @@ def run(size: str, attns: list[str], args: dict) -> dict:
     for name, (docs, mbs) in work.items():
         timings = {a: [] for a in attns}
         entry = {a: {} for a in attns}
-        for a in attns:  # first call: FA4 compiles its kernels here (per configuration, not per length)
-            model.set_attn_implementation(names[a])
-            seconds, value = _timed(model, mbs, device)
-            entry[a].update(first_s=seconds, loss=value)
-        for _ in range(args["repeats"]):
-            for a in attns:
+        try:
+            for a in attns:  # first call: FA4 compiles its kernels here (per configuration, not per length)
                 model.set_attn_implementation(names[a])
                 seconds, value = _timed(model, mbs, device)
-                timings[a].append(seconds)
-                entry[a]["loss"] = value
+                entry[a].update(first_s=seconds, loss=value)
+            for _ in range(args["repeats"]):
+                for a in attns:
+                    model.set_attn_implementation(names[a])
+                    seconds, value = _timed(model, mbs, device)
+                    timings[a].append(seconds)
+                    entry[a]["loss"] = value
+        except torch.cuda.OutOfMemoryError:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            print(f"{size} {name}: out of memory", flush=True)
+            results.append({"row": name, "oom": True})
+            continue
         for a in attns:
             r = entry[a]
             r.update(row=name, attention=a, implementation=names[a], seconds=statistics.median(timings[a]),
@@ -245,6 +254,9 @@ def render(payload: dict) -> str:
                   "|---|---:|---:|" + "---:|---:|---:|" * len(attns) + ("---:|" if len(attns) > 1 else "")]  # fmt: skip
         by_row: dict[str, dict] = {}
         for r in m["results"]:
+            if r.get("oom"):
+                lines.append(f"| {r['row']} | out of memory | |")
+                continue
             by_row.setdefault(r["row"], {})[r["attention"]] = r
         for row, per in by_row.items():
             first = per[attns[0]]

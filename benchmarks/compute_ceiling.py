@@ -296,17 +296,19 @@ def compare_attention(args) -> None:
     import report
 
     attns = [a.strip() for a in args.attn.split(",") if a.strip()]
-    sizes = ["tiny"] if args.tiny else [m.split(":")[0] for m in args.models]
+    # --models SIZE or SIZE:TOKENS (rows of at most TOKENS tokens, e.g. 7B:16384, where 32k rows without AC do not fit)
+    sizes = [("tiny", None)] if args.tiny else [(m.split(":")[0], max(int(x) for x in m.split(":")[1].split(","))
+                                                 if ":" in m else None) for m in args.models]  # fmt: skip
     env = report.environment()
     payload = {"env": env, "args": vars(args), "peak_tflops": PEAK_TFLOPS, "models": [], "failed": []}
     stem = f"attention_compare_{report.hardware_tag(env)}_{report.today()}{args.tag}"
     options = {"tiny": args.tiny, "repeats": args.repeats, "ac": args.ac, "peak_tflops": PEAK_TFLOPS}
     ctx = mp.get_context("spawn")
     markdown = ""
-    for size in sizes:
+    for size, tokens in sizes:
         try:
             with ctx.Pool(1) as pool:
-                payload["models"].append(pool.apply(attention_compare.run, (size, attns, options)))
+                payload["models"].append(pool.apply(attention_compare.run, (size, attns, {**options, "max_tokens": tokens})))
         except Exception as err:  # noqa: BLE001 - keep what the other models measured
             payload["failed"].append({"size": size, "error": f"{type(err).__name__}: {err}"})
             print(f"{size} failed: {err}", flush=True)
