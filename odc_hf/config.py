@@ -54,8 +54,9 @@ class ODCConfig:
             (clear error when FA4 cannot run); ``model``: leave the model's own. docs/attention.md.
         grpo_layout: ODCGRPOTrainer's training microbatches. ``packed``: prompt+completion sequences back to back
             in one row per microbatch (per-sequence positions, varlen attention, no padding); ``padded``: TRL's
-            layout (prompts left-padded, completions right-padded); ``auto``: packed, except under ``sdpa_varlen``
-            on CUDA, where padded rows ran faster (docs/grpo.md).
+            layout (prompts left-padded, completions right-padded); ``auto``: packed under FlashAttention(-4) and under
+            ``sdpa_varlen`` off CUDA; padded under ``sdpa_varlen`` on CUDA (padded rows ran faster there) and under
+            dense-mask attentions (``sdpa``, ``eager``) (docs/grpo.md).
         attention_shape_bucket: for a model on ``attn_implementation="sdpa_varlen"``: pad each document's attention
             inputs to a multiple of this many tokens, so cuDNN plans few shapes, all before training (0: exact
             shapes). See docs/attention.md.

@@ -116,3 +116,18 @@ def test_flash_attention_4_comes_with_the_kernels_extra_only():
     assert any(r.startswith("flash-attn-4[cu13]>=4.0.0b36") for r in extras["kernels"])
     assert any(r.startswith("nvidia-cutlass-dsl[cu13]") for r in extras["kernels"])
     assert not any("flash-attn" in r or "cutlass" in r for r in extras["test"])
+
+
+@pytest.mark.parametrize("implementation, device, packed", [
+    (FLASH_ATTENTION_4, "cuda", True), (VARLEN_ATTENTION, "cpu", True), (VARLEN_ATTENTION, "cuda", False),
+    ("sdpa", "cpu", False), ("eager", "cuda", False), ("flash_attention_2", "cuda", True)])  # fmt: skip
+def test_grpo_layout_auto_packs_under_varlen_attention_that_gains(implementation, device, packed):
+    from odc_hf.integrations.grpo import _GRPOPart
+
+    def layout(choice):
+        trainer = SimpleNamespace(odc_config=ODCConfig(grpo_layout=choice), odc_attention={"implementation": implementation},
+                                  accelerator=SimpleNamespace(device=torch.device(device)))  # fmt: skip
+        return _GRPOPart._odc_packed_layout(trainer)
+
+    assert layout("auto") == packed
+    assert layout("packed") and not layout("padded")

@@ -66,7 +66,7 @@ class ODCArguments:
         "sdpa_varlen, or model (leave the model's own) (default auto)")})  # fmt: skip
     odc_grpo_layout: str | None = field(default=None, metadata={"help": (
         "ODC: GRPO training microbatches: packed (sequences back to back, no padding), padded (TRL's layout) or "
-        "auto (packed, except sdpa_varlen on CUDA) (default auto)")})  # fmt: skip
+        "auto (packed under flash attention, and under sdpa_varlen off CUDA) (default auto)")})  # fmt: skip
 
 
 @dataclasses.dataclass
