@@ -215,8 +215,10 @@ class _GRPOPart:
         local = unbatch(batch, weights)
         for sample, g in zip(local, slice_of.tolist()):
             sample["odc_slice"] = g  # the TRL microbatch it belongs to: TRL's metrics are defined per slice
-        gathered: list = [None] * self.accelerator.num_processes
-        dist.all_gather_object(gathered, local)  # the one exchange per generation
+        gathered: list = [local]
+        if self.accelerator.num_processes > 1:  # one process: no process group, nothing to exchange
+            gathered = [None] * self.accelerator.num_processes
+            dist.all_gather_object(gathered, local)  # the one exchange per generation
         samples = [s for part in gathered for s in part]
         lengths = [sample_length(s) for s in samples]
         multiple = CUDA_PAD_TO_MULTIPLE_OF if self.accelerator.device.type == "cuda" else 1
