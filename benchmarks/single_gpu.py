@@ -3,6 +3,8 @@
     python benchmarks/single_gpu.py --parts sft_longalign --out $OUT                      # ~6 min on one H200
     python benchmarks/single_gpu.py --parts sft_tulu,lora,grpo,resume --out $OUT          # ~8 min
     python benchmarks/single_gpu.py --smoke --out /tmp/single_gpu                         # CPU: tiny model, 2 steps
+    python benchmarks/single_gpu.py --merge RUN1/single_gpu_*.json RUN2/single_gpu_*.json --out benchmarks/results
+                                                          # CPU: one report from several device calls' JSON
 
 Every variant trains the SAME samples in the SAME order, one step = one group of samples:
 
@@ -84,6 +86,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps per variant, fp32, sdpa (CPU test)")
     p.add_argument("--out", default=os.environ.get("OUT") or str(report.RESULTS))
+    p.add_argument("--merge", nargs="+", default=None, help="JSON reports of earlier runs: write one report of all")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
@@ -545,7 +548,9 @@ def _f(value, spec=".3f"):
 
 
 def render(payload: dict, analysis: dict) -> str:
+    runs = payload.get("runs", [])
     lines = ["# One GPU, end to end: ODC trainers vs TRL's trainers", "", report.env_markdown(payload["env"]),
+             *[f"- run {i + 1}: {r['date']}, `{r['commit']}`, `{r['command']}`" for i, r in enumerate(runs)],
              f"- FlashAttention-4 installed: {payload['fa4']}; liger-kernel installed: {payload['liger']}",
              f"- steps left out of tokens/s (warm-up): {payload['args']['warmup']}", "",
              "Every variant " + __doc__.split("Every variant", 1)[1].split("Results are written")[0].strip(), ""]  # fmt: skip
@@ -623,15 +628,27 @@ def finish(args, payload: dict) -> None:
     env = payload["env"]
     stem = f"single_gpu_{report.hardware_tag(env)}_{env['date'][:10]}"
     analysis = analyse(payload, args.warmup)
-    slim = {**payload, "parts": {p: {k: v for k, v in r.items() if k != "data" or "step_tokens" not in v}
-                                 | {"data": r.get("data")} for p, r in payload["parts"].items()},
-            "analysis": analysis}  # fmt: skip
-    report.write(args.out, stem, slim, render(payload, analysis))
+    report.write(args.out, stem, {**payload, "analysis": analysis}, render(payload, analysis))
     plot(payload, Path(args.out) / f"{stem}.png")
+
+
+def merge(args) -> int:
+    """One report from the JSON of several runs (e.g. one device call per part): their parts side by side; the
+    first run's environment, the others' commands and dates listed."""
+    payloads = [json.loads(Path(f).read_text()) for f in args.merge]
+    merged = {**payloads[0], "parts": {}, "runs": [{"date": p["env"]["date"], "command": p["env"]["command"],
+                                                    "commit": p["env"]["commit"]} for p in payloads]}  # fmt: skip
+    for p in payloads:
+        merged["parts"].update(p["parts"])
+    args.warmup = payloads[0]["args"]["warmup"]
+    finish(args, merged)
+    return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        return merge(args)
     # versions and GPUs, read in a child: this process never touches CUDA
     args.env = in_child(report.environment, Path(args.out) / "single_gpu_runs" / "environment.json")
     if args.model is None:
