@@ -364,7 +364,9 @@ def run_grpo_variant(args, variant: str, out: Path, *, generate: bool) -> dict:
     from odc_hf import ODCConfig, ODCGRPOTrainer
 
     tiny = args.model == "tiny"
-    high = 64 if tiny else 2048
+    # fixed rollouts: completion lengths log-uniform up to 2048 (32x spread); generate(): a random model rarely
+    # samples EOS, so every completion runs to the cap: 512 keeps those steps to seconds
+    high = 64 if tiny else (512 if generate else 2048)
     tok = tokenizer()
     tok.padding_side = "left"
     attention = "sdpa"  # TRL's padded GRPO rows carry an attention mask

@@ -3,7 +3,8 @@ ODC trainer and its independent reference, TRL's own ``SFTTrainer``, on the same
 ``tests/sft_runs.py`` (its data, model and hyperparameters; nothing is redefined here).
 
     python tests/one_process_runs.py odc OUT [--attn sdpa_varlen] [--bf16] [--peft] [--save_steps N] [--resume DIR]
-    python tests/one_process_runs.py trl OUT [--attn sdpa] [--bf16] [--peft]
+        [--head_dim 64]
+    python tests/one_process_runs.py trl OUT [--attn sdpa] [--bf16] [--peft] [--head_dim 64]
 
 Writes ``OUT/losses.json``: ``history`` (step, loss, grad_norm), ``device``, ``attention``, and for ODC the compute
 path it chose and the microbatches per step. For the one-GPU tests (``tests/test_gpu_one_device.py``).
@@ -30,22 +31,27 @@ def _lora():
                       task_type="CAUSAL_LM")  # fmt: skip
 
 
-def _model(tokenizer, attn: str):
+def _model(tokenizer, attn: str, head_dim: int | None):
     import odc_hf.attention  # noqa: F401 - registers "sdpa_varlen"
     from odc_hf.data import tiny_qwen2_model
 
-    model = tiny_qwen2_model(tokenizer, seed=sft_runs.SEED)
+    # head_dim 64: what FlashAttention-4 takes (the default tiny model has 16)
+    wide = {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 256} if head_dim == 64 else {}
+    if head_dim not in (None, 64):
+        raise ValueError(f"head_dim: 64 or the tiny default, got {head_dim}")
+    model = tiny_qwen2_model(tokenizer, seed=sft_runs.SEED, **wide)
     model.set_attn_implementation(attn)
     return model
 
 
-def run(trainer_name: str, out: Path, *, attn: str, bf16: bool, peft: bool, save_steps: int, resume: str | None):
+def run(trainer_name: str, out: Path, *, attn: str, bf16: bool, peft: bool, save_steps: int, resume: str | None,
+        head_dim: int | None = None):
     import torch
 
     from odc_hf.data import default_tokenizer
 
     tokenizer = default_tokenizer()
-    model = _model(tokenizer, attn)
+    model = _model(tokenizer, attn, head_dim)
     data = sft_runs.dataset(tokenizer)
     saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
     args = sft_runs.sft_config(out, bf16=bf16, **saving)
@@ -84,9 +90,11 @@ def main(argv=None) -> None:
     p.add_argument("--peft", action="store_true", help="LoRA r=8 on q_proj, v_proj")
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume", default=None)
+    p.add_argument("--head_dim", type=int, default=None, help="64: a wider tiny model (FlashAttention-4's sizes)")
     a = p.parse_args(argv)
     attn = a.attn or ("sdpa_varlen" if a.trainer == "odc" else "sdpa")
-    run(a.trainer, a.out, attn=attn, bf16=a.bf16, peft=a.peft, save_steps=a.save_steps, resume=a.resume)
+    run(a.trainer, a.out, attn=attn, bf16=a.bf16, peft=a.peft, save_steps=a.save_steps, resume=a.resume,
+        head_dim=a.head_dim)
 
 
 def one_process_run(out: Path, *args) -> dict:

@@ -21,6 +21,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 SAVE_AT = 3
+WIDE = ("--head_dim", "64")  # every SFT run: a tiny model FlashAttention-4 can run (head_dim 64)
 
 
 def _flash_attention_4_available() -> bool:
@@ -46,16 +47,18 @@ def fp32(tmp_path_factory):
     """ODCSFTTrainer (sdpa_varlen, packed rows) and TRL's SFTTrainer (sdpa, padded rows), fp32, one process each on
     the GPU, the same 6 minibatches; the ODC run saves a checkpoint at step 3."""
     base = tmp_path_factory.mktemp("one_gpu_fp32")
-    odc = one_process_run(base / "odc", "odc", "--save_steps", SAVE_AT)
-    trl = one_process_run(base / "trl", "trl")
+    odc = one_process_run(base / "odc", "odc", "--save_steps", SAVE_AT, *WIDE)
+    trl = one_process_run(base / "trl", "trl", *WIDE)
     return base, odc, trl
 
 
-# fp32 on the GPU: ODC's packed rows, per-document attention and TRL's fused head vs TRL's padded rows and masked sdpa
-# reorder the sums (cuBLAS, memory-efficient attention); on CPU the same pair agrees to 1.2e-7 (losses) / 1.2e-5
-# (gradient norms). Bounds 1e-5 / 1e-3; the bugs these tests exist for (a per-microbatch instead of a global token
-# normaliser, a lost or doubled microbatch, documents attending across each other) move losses by > 1e-3.
-LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-3
+# fp32 on the GPU: ODC's packed rows, per-document attention, TRL's fused head and (when installed) Liger's Triton
+# RMSNorm / SwiGLU / RoPE vs TRL's padded rows, masked sdpa and torch's layers reorder the sums; on CPU (no Liger)
+# the same pair agrees to 1.2e-7 (losses) / 1.2e-5 (gradient norms). Not yet measured on a GPU (the tests print the
+# differences: record them and tighten): bounds 1e-4 / 1e-3. The bugs these tests exist for (a per-microbatch
+# instead of a global token normaliser, a lost or doubled microbatch, documents attending across each other) move
+# losses by > 1e-3.
+LOSS_RTOL, GRAD_NORM_RTOL = 1e-4, 1e-3
 
 
 def test_odc_sft_on_cuda_matches_trl(fp32):
@@ -78,7 +81,7 @@ def sft_runs_assert(ours: list[dict], theirs: list[dict]) -> None:
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_odc_sft_bf16_on_each_attention_path(fp32, tmp_path, attention):
     base, odc32, _ = fp32
-    odc = one_process_run(tmp_path / attention, "odc", "--attn", attention, "--bf16")
+    odc = one_process_run(tmp_path / attention, "odc", "--attn", attention, "--bf16", *WIDE)
     assert odc["device"].startswith("cuda") and odc["attention"] == attention
     losses = [h["loss"] for h in odc["history"]]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
@@ -103,8 +106,8 @@ def test_odc_grpo_on_cuda_matches_trl(tmp_path):
 
 
 def test_odc_lora_sft_on_cuda_matches_trl_lora(tmp_path):
-    odc = one_process_run(tmp_path / "odc", "odc", "--peft")
-    trl = one_process_run(tmp_path / "trl", "trl", "--peft")
+    odc = one_process_run(tmp_path / "odc", "odc", "--peft", *WIDE)
+    trl = one_process_run(tmp_path / "trl", "trl", "--peft", *WIDE)
     assert odc["device"].startswith("cuda")
     print(f"LoRA SFT on CUDA, ODC vs TRL: losses {_max_rel(odc['history'], trl['history'], 'loss'):.2e} max relative")
     sft_runs_assert(odc["history"], trl["history"])
@@ -114,7 +117,7 @@ def test_resume_on_cuda_in_a_new_process_repeats_the_run(fp32, tmp_path):
     base, first, _ = fp32
     checkpoint = base / "odc" / f"checkpoint-{SAVE_AT}"
     assert checkpoint.is_dir()
-    resumed = one_process_run(tmp_path / "resumed", "odc", "--resume", checkpoint)
+    resumed = one_process_run(tmp_path / "resumed", "odc", "--resume", checkpoint, *WIDE)
     later = resumed["history"][SAVE_AT:]
     assert [h["step"] for h in later] == list(range(SAVE_AT + 1, 7))
     assert len(resumed["microbatches"]) == 6 - SAVE_AT  # only the steps after the checkpoint ran
