@@ -160,11 +160,13 @@ def trl_groups(ids: list[list[int]], max_length: int, rows_per_step: int, steps:
 
     packed = pack_dataset(Dataset.from_dict({"input_ids": ids}), max_length, "bfd")
     row_lengths = [list(x) for x in packed["seq_lengths"]]
-    by_prefix = {tuple(x[:16]): i for i, x in enumerate(ids)}
+    by_key: dict[tuple, list[int]] = {}
+    for i, x in enumerate(ids):  # (length, first tokens): equal keys are equal samples (<= 16 random tokens)
+        by_key.setdefault((len(x), tuple(x[:16])), []).append(i)
     rows = []
     for row, lengths in zip(packed["input_ids"], packed["seq_lengths"]):
         starts = np.cumsum([0, *lengths[:-1]])
-        rows.append([by_prefix[tuple(row[s : s + 16])] for s in starts])
+        rows.append([by_key[(n, tuple(row[s : s + 16]))].pop() for s, n in zip(starts, lengths)])
     order = np.random.default_rng(seed).permutation(len(rows)).tolist()
     need = rows_per_step * steps
     if len(order) < need:
