@@ -8,6 +8,7 @@ overheads measured on 2 x H200. Writes one markdown report, one JSON and one PNG
 
     python benchmarks/simulate.py multinode
     python benchmarks/simulate.py multinode --models 7B --gpus 16,64 --network-gb-per-s 25
+    python benchmarks/simulate.py multinode --cost-model CAL.json   # a calibration of benchmarks/calibration.py
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def rows_and_sweep(args):
     rows, sweep, cost_models = [], [], {}
     for size in args.models:
         shape = shape_of(size)
-        cost_model, cost_models[size] = load_cost_model("h200", shape)
+        cost_model, cost_models[size] = load_cost_model(args.cost_model, shape)
         for workload in args.workloads:
             for per_rank in args.per_rank:
                 for gpus in args.gpus:
@@ -181,6 +182,10 @@ def main(argv=None) -> None:
     p.add_argument("--sweep-workload", default="longalign")
     p.add_argument("--sweep-per-rank", type=int, default=4)
     p.add_argument("--sweep-gpus", type=int, default=64)
+    p.add_argument("--cost-model", default="h200",
+                   help="h200 (the shipped calibration), flop, or a calibration .json (benchmarks/calibration.py; "
+                        "scaled by FLOPs to the other model shapes when it records its model_shape)")  # fmt: skip
+    p.add_argument("--tag", default="", help="extra name part for the output files")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     (args.max_tokens,) = args.max_tokens
@@ -195,7 +200,7 @@ def main(argv=None) -> None:
         "generator": f"odc_hf.workloads.generate_lengths(workload, n, seed={args.seed}, max_length={args.max_tokens})",
         "cost_models": cost_models, "step_overheads": h200_overheads().source,
     }  # fmt: skip
-    stem = f"simulate_multinode_h200_{today()}"
+    stem = f"simulate_multinode_h200_{today()}" + (f"_{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
     plot(rows, sweep, args, args.out / f"{stem}.png")
     lines = [

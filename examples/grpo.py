@@ -1,6 +1,7 @@
 """GRPO with ODC through TRL's GRPOTrainer: generation without lockstep, rollouts rebalanced by cost.
 
     python examples/grpo.py                      # 2 processes: GPUs if there are 2+, else CPU; tiny offline default
+    python examples/grpo.py --num_processes 1    # one process, on your GPU if there is one
     accelerate launch --config_file accelerate_configs/odc.yaml examples/grpo.py \
         --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --bf16 --max_completion_length 1024   # where a hub is reachable
     python examples/grpo.py --trainer trl        # TRL's GRPOTrainer (collectives), for A/B runs
@@ -54,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--use_peft", action="store_true", help="train LoRA adapters (peft) instead of the whole model")
     p.add_argument("--lora_r", type=int, default=8, help="LoRA rank (with --use_peft), on q_proj and v_proj")
     p.add_argument("--report_to", default="none")
+    p.add_argument("--num_processes", type=int, default=2,
+                   help="processes of `python examples/grpo.py` (ignored under accelerate launch): 2 run ODC on 2+ "
+                        "GPUs, else on CPU; 1 runs here, on the GPU if there is one")  # fmt: skip
     p.add_argument(
         "--fixed_rollouts", action="store_true", help="deterministic completions instead of generate()"
     )
@@ -218,5 +222,6 @@ if __name__ == "__main__":
     parse_args()  # --help and bad flags are answered here, once, before any process is launched
     from odc_hf.run import relaunch_if_needed
 
-    relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs")
+    relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs",
+                       processes=parse_args().num_processes)  # fmt: skip
     main()

@@ -1,6 +1,7 @@
 """SFT with ODC + LB-Mini through TRL's SFTTrainer: the main job.
 
     python examples/sft.py                  # 2 processes: GPUs if there are 2+, else CPU; tiny offline default
+    python examples/sft.py --num_processes 1    # one process, on your GPU if there is one (docs/quickstart.md)
     accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py --model_shape 1.5B \
         --workload longalign --max_tokens_per_microbatch 32768 --bf16 --gradient_checkpointing
     accelerate launch --config_file accelerate_configs/odc.yaml examples/sft.py \
@@ -55,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: never)")
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--report_to", default="none")
+    p.add_argument("--num_processes", type=int, default=2,
+                   help="processes of `python examples/sft.py` (ignored under accelerate launch): 2 run ODC on 2+ "
+                        "GPUs, else on CPU; 1 runs here, on the GPU if there is one")  # fmt: skip
     # ODC options (also settable as ODC_* environment variables)
     p.add_argument("--odc", choices=["on", "off"], default=None, help="off: FSDP2 collectives (A/B baseline)")
     p.add_argument("--balance", choices=["lb_mini", "lb_micro", "none"], default=None)
@@ -90,9 +94,18 @@ def build_model(args, tokenizer):
     config._attn_implementation = args.attn_implementation
     torch.manual_seed(args.seed)
     # Random init of a billion parameters is slow on a CPU: build on this rank's GPU (same seed on every rank).
-    device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
+    with torch.device(training_device()):
         return Qwen2ForCausalLM(config)
+
+
+def training_device():
+    """The device accelerate will give this process: CPU for CPU ranks (``ACCELERATE_USE_CPU``, set by the launcher
+    for CPU runs, even where CUDA is visible), else this rank's GPU; never a GPU picked from LOCAL_RANK on its own."""
+    import torch
+
+    if os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes") or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
 def build_dataset(args, tokenizer, vocab_size: int):
@@ -179,5 +192,6 @@ if __name__ == "__main__":
     parse_args()  # --help and bad flags are answered here, once, before any process is launched
     from odc_hf.run import relaunch_if_needed
 
-    relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs")
+    relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs",
+                       processes=parse_args().num_processes)  # fmt: skip
     main()

@@ -9,6 +9,7 @@ target as ``__main__`` with the remaining arguments. ODC options come from ``ODC
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import runpy
 import subprocess
@@ -18,29 +19,91 @@ from pathlib import Path
 SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """Where ``python examples/sft.py`` (or another relaunching script) runs: see :func:`plan_launch`."""
+
+    processes: int
+    config: str | None  # accelerate config file name under config_dir; None: no relaunch, run in this process
+    device: str  # "cuda" or "cpu": what the training processes compute on
+    hide_cuda: bool  # CPU processes on a machine with GPUs: CUDA_VISIBLE_DEVICES="" so no rank touches a GPU
+    message: str  # printed before training: where it runs, why, and how to run on the GPU(s)
+
+
+def plan_launch(processes: int, gpus: int | None = None) -> LaunchPlan:
+    """Decide how ``processes`` processes run on a machine with ``gpus`` visible CUDA devices (``None``: ask torch).
+
+    ODC needs one GPU per process: two processes cannot share one GPU (NCCL refuses "Duplicate GPU detected", torch
+    symmetric memory refuses overlapping devices; DESIGN.md section 6). So with fewer GPUs than processes the
+    processes run on CPU (gloo, shared memory; the real ODC path), with CUDA hidden from them: a CPU rank must not
+    create a CUDA context or pick a device from its LOCAL_RANK (rank 1 on a one-GPU machine asked for device 1 and
+    failed with "invalid device ordinal"). One process needs no launcher: it runs here, on the GPU if there is one.
+    """
+    if processes < 1:
+        raise ValueError(f"processes must be at least 1, got {processes}")
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if processes == 1:
+        where = "cuda:0" if gpus else "CPU"
+        note = (" ODC has nothing to communicate with one process; odc_hf still packs token-budget microbatches and "
+                "picks the compute path (fused LM head, Liger kernels when installed, activation checkpointing from "
+                "the GPU's memory).")  # fmt: skip
+        return LaunchPlan(1, None, "cuda" if gpus else "cpu", False, f"odc_hf: 1 process on {where}.{note}")
+    if gpus >= processes:
+        return LaunchPlan(processes, "odc.yaml", "cuda", False,
+                          f"odc_hf: launching {processes} processes on {processes} of {gpus} GPUs with "
+                          "accelerate_configs/odc.yaml (FSDP2 + ODC)")  # fmt: skip
+    if gpus == 0:
+        return LaunchPlan(processes, "cpu.yaml", "cpu", False,
+                          f"odc_hf: launching {processes} processes with accelerate_configs/cpu.yaml (no GPU "
+                          "found: CPU ranks, gloo, shared-memory ODC transport)")  # fmt: skip
+    found = f"{gpus} GPU" + ("s" if gpus > 1 else "")
+    return LaunchPlan(
+        processes, "cpu.yaml", "cpu", True,
+        f"odc_hf: launching {processes} processes with accelerate_configs/cpu.yaml on CPU, CUDA hidden from them "
+        f"(CUDA_VISIBLE_DEVICES=''). Found {found}: ODC needs one GPU per process (two processes cannot share a "
+        f"GPU), so the {processes}-process ODC demo runs on CPU (gloo, shared-memory transport). To train on your "
+        "GPU, run one process: add --num_processes 1 (ODC then has nothing to communicate; docs/quickstart.md, "
+        '"One GPU").',
+    )  # fmt: skip
+
+
 def relaunch_if_needed(
     script: str, argv: list[str], *, config_dir: str | os.PathLike, processes: int = 2
 ) -> None:
     """Re-run ``script`` under ``accelerate launch`` with ``processes`` processes, unless already launched.
 
-    What ``python examples/sft.py`` does on a fresh machine: ``odc.yaml`` from ``config_dir`` when there are
-    enough GPUs, else ``cpu.yaml`` (which needs ``ACCELERATE_USE_CPU=true``, set here). NVLink multicast stays
-    off in the children. Returns only when already inside a launched process; otherwise exits with the
-    launch's status.
+    What ``python examples/sft.py`` does on a fresh machine (:func:`plan_launch`): ``odc.yaml`` from ``config_dir``
+    when there are enough GPUs, else ``cpu.yaml`` (which needs ``ACCELERATE_USE_CPU=true``, set here) with CUDA
+    hidden from the processes when the machine has GPUs; one process runs here without a launcher. NVLink
+    multicast stays off in the children. Returns when already inside a launched process or when one process runs
+    here; otherwise exits with the launch's status.
     """
     if "RANK" in os.environ or "LOCAL_RANK" in os.environ or os.environ.get("ODC_NO_RELAUNCH"):
         return
-    import torch
-
-    config = "odc.yaml" if torch.cuda.device_count() >= processes else "cpu.yaml"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(Path(config_dir) / config),
+    plan = plan_launch(processes)
+    print(plan.message, flush=True)
+    if plan.config is None:
+        for key, value in SAFE_GPU_ENV.items():
+            os.environ.setdefault(key, value)
+        return
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(Path(config_dir) / plan.config),
            "--num_processes", str(processes), script, *argv]  # fmt: skip
-    env = {**os.environ, **SAFE_GPU_ENV, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "ODC_NO_RELAUNCH": "1"}  # fmt: skip
-    if config == "cpu.yaml":
-        env["ACCELERATE_USE_CPU"] = "true"  # see accelerate_configs/cpu.yaml
-    print(f"odc_hf: launching {processes} processes with {Path(config_dir).name}/{config}", flush=True)
-    sys.exit(subprocess.call(cmd, env=env))
+    sys.exit(subprocess.call(cmd, env=launch_env(plan)))
+
+
+def launch_env(plan: LaunchPlan, environ=None) -> dict[str, str]:
+    """The children's environment for ``plan``: NVLink multicast off; CPU plans set ``ACCELERATE_USE_CPU=true``
+    (see accelerate_configs/cpu.yaml) and, on a machine with GPUs, hide them."""
+    environ = os.environ if environ is None else environ
+    env = {**environ, **SAFE_GPU_ENV, "OMP_NUM_THREADS": environ.get("OMP_NUM_THREADS", "1"), "ODC_NO_RELAUNCH": "1"}
+    if plan.device == "cpu":
+        env["ACCELERATE_USE_CPU"] = "true"
+    if plan.hide_cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 def main(argv: list[str] | None = None) -> None:

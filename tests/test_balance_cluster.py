@@ -197,3 +197,19 @@ def test_shipped_calibration_and_scaling():
     ) == pytest.approx(0.0153)
     with pytest.raises(ValueError, match="no time unit"):
         load_cost_model("tokens", reference)
+
+
+def test_a_calibration_file_with_its_model_shape_scales_to_other_shapes(tmp_path):
+    # what benchmarks/calibration.py writes: timings, the fit, and the model it timed
+    import dataclasses
+    import json
+
+    asset = h200_calibration()
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"lengths": asset["lengths"], "seconds": asset["seconds"],
+                                "model_shape": dataclasses.asdict(shape("1.5B"))}))  # fmt: skip
+    fitted = calibration_from_dict(asset)
+    same, text = load_cost_model(str(path), shape("1.5B"))
+    assert same == fitted and "scaled" not in text
+    scaled, text = load_cost_model(str(path), shape("7B", tied=False))
+    assert "scaled by FLOPs" in text and scaled == scale_cost_model(fitted, shape("1.5B"), shape("7B", tied=False))

@@ -292,6 +292,18 @@ def load_cost_model(spec: str, shape: ModelShape) -> tuple[QuadraticCostModel, s
     except json.JSONDecodeError as err:
         raise ValueError(f"{spec}: not valid JSON ({err})") from None
     model = calibration_from_dict(data, where=spec)
+    if isinstance(data, dict) and isinstance(data.get("model_shape"), dict):
+        # a calibration that names its model (benchmarks/calibration.py): scaled by FLOPs to other shapes, as the
+        # shipped one is
+        reference = ModelShape(**data["model_shape"])
+        if (reference.num_matmul_params, reference.num_layers, reference.attn_dim) != (
+            shape.num_matmul_params,
+            shape.num_layers,
+            shape.attn_dim,
+        ):
+            model = scale_cost_model(model, reference, shape)
+            return model, f"calibration {path.name} of {reference.name} scaled by FLOPs to {shape.name}: {model.describe()}"
+        return model, f"calibration {path.name} of {reference.name}: {model.describe()}"
     return model, f"your calibration {path.name}: {model.describe()}"
 
 

@@ -32,6 +32,22 @@ def _final_norm(model: torch.nn.Module):
     return getattr(inner, "norm", None) if inner is not None else None
 
 
+def _default_mesh(model: torch.nn.Module):
+    """A 1-D mesh of every rank on the device type of ``model``'s parameters.
+
+    ``fully_shard`` without a mesh builds one on torch's current accelerator whenever CUDA is visible, and that
+    mesh sets this process's CUDA device from LOCAL_RANK: a CPU rank on a machine with one GPU then asks for device
+    1 ("invalid device ordinal"), and a CPU model would be sharded on a CUDA mesh. Meta parameters keep the default.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    param = next(model.parameters(), None)
+    if param is None or param.device.type == "meta" or not dist.is_initialized():
+        return None
+    return init_device_mesh(param.device.type, (dist.get_world_size(),))
+
+
 def shard_model(
     model: torch.nn.Module,
     *,
@@ -42,7 +58,7 @@ def shard_model(
 ) -> torch.nn.Module:
     """Apply ``fully_shard`` per block, to the embedding/tail units and to the root; returns the model.
 
-    ``mesh``: ``None`` (every rank, 1-D), a 1-D mesh, or a 2-D ``(replicate, shard)`` mesh for HSDP, e.g.
+    ``mesh``: ``None`` (every rank, 1-D, on the parameters' device type), a 1-D mesh, or a 2-D ``(replicate, shard)`` mesh for HSDP, e.g.
     ``init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))``.
     """
     if mesh is not None and mesh.ndim not in (1, 2):
@@ -51,7 +67,7 @@ def shard_model(
             "(replicate, shard) data-parallel mesh. Tensor / context parallel dims are not supported with ODC."
         )
     kwargs = {
-        "mesh": mesh,
+        "mesh": mesh if mesh is not None else _default_mesh(model),
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "reshard_after_forward": reshard_after_forward,
     }

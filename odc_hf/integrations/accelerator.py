@@ -87,6 +87,30 @@ def check_launch_before_accelerate(environ=None) -> None:
         )
 
 
+def check_cpu_ranks_have_no_gpu_to_pick(use_cpu: bool = False, environ=None) -> None:
+    """Refuse CPU ranks that would pick a CUDA device that does not exist, before anything synchronises.
+
+    accelerate's ``wait_for_everyone`` calls ``torch.distributed.barrier(device_ids=[local_rank])`` on CPU ranks too,
+    and torch then places the barrier's tensor on ``cuda:<local_rank>`` whenever CUDA is visible: on a machine with
+    one GPU, rank 1 of a 2-process CPU run fails there with "CUDA error: invalid device ordinal" (inside TRL's dataset
+    preparation). ``python examples/sft.py`` hides CUDA from CPU ranks (``odc_hf.run.plan_launch``); a launch of
+    ``accelerate_configs/cpu.yaml`` by hand must do the same."""
+    environ = os.environ if environ is None else environ
+    cpu = use_cpu or environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
+    local_rank = environ.get("LOCAL_RANK", "")
+    if not cpu or not local_rank.isdigit() or not torch.cuda.is_available():
+        return
+    gpus = torch.cuda.device_count()
+    if int(local_rank) >= gpus:
+        raise RuntimeError(
+            f"CPU rank {local_rank} sees {gpus} CUDA device(s): accelerate's barrier would place a tensor on "
+            f"cuda:{local_rank}, which does not exist ('invalid device ordinal'). Hide the GPUs from CPU ranks: "
+            "`CUDA_VISIBLE_DEVICES= ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/cpu.yaml "
+            "...` (python examples/sft.py does this itself), or train on your GPU with one process "
+            "(python examples/sft.py --num_processes 1; docs/quickstart.md, \"One GPU\")"
+        )
+
+
 def check_world_matches_launch(accelerator: Accelerator, environ=None) -> None:
     """Refuse a launch that started several processes which each see a single-process run (e.g. ``accelerate launch
     --config_file accelerate_configs/cpu.yaml`` on a CPU host without ``ACCELERATE_USE_CPU=true``): they would train
@@ -132,6 +156,7 @@ class ODCAccelerator(Accelerator):
 
     def __init__(self, *args, fsdp_plugin=None, odc_config: ODCConfig | None = None, **kwargs):
         check_launch_before_accelerate()
+        check_cpu_ranks_have_no_gpu_to_pick(use_cpu=bool(kwargs.get("cpu", False)))
         refuse_other_engines(kwargs.get("deepspeed_plugin"), kwargs.get("megatron_lm_plugin"))
         plugin = as_odc_plugin(fsdp_plugin, odc_config)
         held = parallelism.take(kwargs.get("parallelism_config"), cpu=kwargs.get("cpu", False))

@@ -243,8 +243,10 @@ class _GRPOPart:
         local = unbatch(batch, weights)
         for sample, g in zip(local, slice_of.tolist()):
             sample["odc_slice"] = g  # the TRL microbatch it belongs to: TRL's metrics are defined per slice
-        gathered: list = [None] * self.accelerator.num_processes
-        dist.all_gather_object(gathered, local)  # the one exchange per generation
+        gathered: list = [local]
+        if self.accelerator.num_processes > 1:  # one process: no process group, nothing to exchange
+            gathered = [None] * self.accelerator.num_processes
+            dist.all_gather_object(gathered, local)  # the one exchange per generation
         samples = [s for part in gathered for s in part]
         lengths = [sample_length(s) for s in samples]
         packed = self.odc_grpo_packed

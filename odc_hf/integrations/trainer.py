@@ -30,7 +30,11 @@ from odc_hf.balance import FlopCostModel, ODCBatchSampler, QuadraticCostModel, T
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import is_sharded
 from odc_hf.integrations import compute_path, parallelism
-from odc_hf.integrations.accelerator import adopt, check_launch_before_accelerate
+from odc_hf.integrations.accelerator import (
+    adopt,
+    check_cpu_ranks_have_no_gpu_to_pick,
+    check_launch_before_accelerate,
+)
 from odc_hf.integrations.attention_setup import choose_attention, prepare_attention
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
 from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
@@ -86,10 +90,12 @@ class ODCMixin:
     ``compute_path``). ``make_odc_trainer`` classes do; GRPO keeps TRL's own."""
 
     def __init__(self, *args, odc_config: ODCConfig | None = None, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        # before the base trainer's first barrier (TRL prepares its dataset "main process first")
+        check_cpu_ranks_have_no_gpu_to_pick(use_cpu=bool(getattr(training_args, "use_cpu", False)))
         if odc_config is None:  # trainer arguments' odc_* fields, then ODC_* variables, then defaults
             from odc_hf.integrations.arguments import odc_config_from_args
 
-            training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
             odc_config = odc_config_from_args(training_args)
         self.odc_config = odc_config
         self.odc_stats = RunStats()

@@ -1,0 +1,124 @@
+"""SFT runs in ONE process (world size 1) on whatever device accelerate gives it (the GPU when there is one): the
+ODC trainer and its independent reference, TRL's own ``SFTTrainer``, on the same samples in the same order as
+``tests/sft_runs.py`` (its data, model and hyperparameters; nothing is redefined here).
+
+    python tests/one_process_runs.py odc OUT [--attn sdpa_varlen] [--bf16] [--peft] [--save_steps N] [--resume DIR]
+        [--head_dim 64]
+    python tests/one_process_runs.py trl OUT [--attn sdpa] [--bf16] [--peft] [--head_dim 64]
+
+Writes ``OUT/losses.json``: ``history`` (step, loss, grad_norm), ``device``, ``attention``, and for ODC the compute
+path it chose and the microbatches per step. For the one-GPU tests (``tests/test_gpu_one_device.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import sft_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                      task_type="CAUSAL_LM")  # fmt: skip
+
+
+def _model(tokenizer, attn: str, head_dim: int | None):
+    import odc_hf.attention  # noqa: F401 - registers "sdpa_varlen"
+    from odc_hf.data import tiny_qwen2_model
+
+    # head_dim 64: what FlashAttention-4 takes (the default tiny model has 16)
+    wide = {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 256} if head_dim == 64 else {}
+    if head_dim not in (None, 64):
+        raise ValueError(f"head_dim: 64 or the tiny default, got {head_dim}")
+    model = tiny_qwen2_model(tokenizer, seed=sft_runs.SEED, **wide)
+    model.set_attn_implementation(attn)
+    return model
+
+
+def run(trainer_name: str, out: Path, *, attn: str, bf16: bool, peft: bool, save_steps: int, resume: str | None,
+        head_dim: int | None = None):
+    import torch
+
+    from odc_hf.data import default_tokenizer
+
+    tokenizer = default_tokenizer()
+    model = _model(tokenizer, attn, head_dim)
+    data = sft_runs.dataset(tokenizer)
+    saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
+    args = sft_runs.sft_config(out, bf16=bf16, **saving)
+    extra = {"peft_config": _lora()} if peft else {}
+    torch.manual_seed(0)  # TRL draws the LoRA weights in __init__, before the Trainer seeds
+    if trainer_name == "odc":
+        from odc_hf import ODCConfig, ODCSFTTrainer
+
+        trainer = ODCSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                                odc_config=ODCConfig(balance="lb_mini", max_tokens_per_microbatch=sft_runs.BUDGET),
+                                **extra)  # fmt: skip
+    else:
+        from trl import SFTTrainer
+
+        data = data.select(sft_runs.minibatch_order(len(data)))  # one whole minibatch per step, in ODC's order
+        args = sft_runs.sft_config(out, bf16=bf16, train_sampling_strategy="sequential", **saving)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, **extra)
+    assert trainer.accelerator.num_processes == 1
+    trainer.train(resume_from_checkpoint=resume)
+    result = {"history": sft_runs.trainer_history(trainer), "device": str(trainer.accelerator.device),
+              "attention": model.config._attn_implementation}  # fmt: skip
+    if trainer_name == "odc":
+        result["compute_path"] = trainer.odc_compute.describe() if trainer.odc_compute is not None else None
+        result["microbatches"] = [s.microbatches for s in trainer.odc_stats.steps]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "losses.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trainer", choices=["odc", "trl"])
+    p.add_argument("out", type=Path)
+    p.add_argument("--attn", default=None, help="attn_implementation (default: sdpa_varlen for odc, sdpa for trl)")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--peft", action="store_true", help="LoRA r=8 on q_proj, v_proj")
+    p.add_argument("--save_steps", type=int, default=0)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--head_dim", type=int, default=None, help="64: a wider tiny model (FlashAttention-4's sizes)")
+    a = p.parse_args(argv)
+    attn = a.attn or ("sdpa_varlen" if a.trainer == "odc" else "sdpa")
+    run(a.trainer, a.out, attn=attn, bf16=a.bf16, peft=a.peft, save_steps=a.save_steps, resume=a.resume,
+        head_dim=a.head_dim)
+
+
+def one_process_run(out: Path, *args) -> dict:
+    """``python tests/one_process_runs.py *args OUT`` in a new plain process (no launcher); its losses.json."""
+    trainer, *rest = map(str, args)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+           **sft_runs.launch_env()}  # fmt: skip
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/one_process_runs.py"), trainer, str(out), *rest],
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (out / "log.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    return json.loads((out / "losses.json").read_text())
+
+
+def grpo_run(out: Path, trainer: str, *args) -> list[dict]:
+    """``examples/grpo.py --trainer TRAINER --fixed_rollouts`` (2 steps, dapo) in a new plain process: its history."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+           **sft_runs.launch_env(), "ODC_NO_RELAUNCH": "1"}  # fmt: skip
+    cmd = [sys.executable, str(ROOT / "examples/grpo.py"), "--trainer", trainer, "--fixed_rollouts", "--max_steps", "2",
+           "--loss_type", "dapo", "--output_dir", str(out), "--losses_json", str(out / "losses.json"), *map(str, args)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads((out / "losses.json").read_text())["dapo"]["history"]
+
+
+if __name__ == "__main__":
+    main()
