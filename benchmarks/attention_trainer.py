@@ -11,6 +11,7 @@ before step 1 of each chunk (``prepare_attention``) and is reported, as is which
 
     python benchmarks/attention_trainer.py --out $OUT                      # one H200: ~5 min
     python benchmarks/attention_trainer.py --tiny --out /tmp/at             # CPU dry run
+    python benchmarks/attention_trainer.py --profile 3 --out $OUT          # + a profile of one warm step each
 """
 
 from __future__ import annotations
@@ -58,6 +59,39 @@ def _step_timer(device):
     return StepTimer()
 
 
+def _profiler(path: Path, step: int):
+    """A TrainerCallback that profiles one step (the ``step``-th of a ``train()`` call, when armed) and writes the
+    operators' table (CUDA time first) to ``path``: where the time goes when one attention loses."""
+    import torch
+    from transformers import TrainerCallback
+
+    class ProfileStep(TrainerCallback):
+        armed, seen, profile = False, 0, None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.seen = 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.seen += 1
+            if self.armed and self.seen == step:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available():
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.profile = torch.profiler.profile(activities=activities)
+                self.profile.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.profile is not None:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.profile.__exit__(None, None, None)
+                sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+                path.write_text(self.profile.key_averages().table(sort_by=sort, row_limit=40))
+                self.profile, self.armed = None, False
+
+    return ProfileStep()
+
+
 def _dataset(workload: str, samples: int, longest: int, vocab: int, seed: int):
     import numpy as np
     from datasets import Dataset
@@ -103,7 +137,7 @@ def run_workload(workload: str, attns: list[str], args) -> dict:
     chunks = -(-args.steps // args.chunk)
     tokenizer = default_tokenizer()
     data = _dataset(workload, per_step * args.chunk * chunks, longest, 512 if tiny else 151_000, args.seed)
-    trainers, timers = {}, {}
+    trainers, timers, profilers = {}, {}, {}
     for a in attns:
         sft = ODCSFTConfig(output_dir=str(Path(args.out) / f"run_{workload}_{a}"), max_steps=args.chunk,
                            per_device_train_batch_size=per_step, learning_rate=1e-5, lr_scheduler_type="constant",
@@ -118,6 +152,9 @@ def run_workload(workload: str, attns: list[str], args) -> dict:
                                 odc_config=odc)  # fmt: skip
         timers[a] = _step_timer(device)
         trainer.add_callback(timers[a])
+        if args.profile:
+            profilers[a] = _profiler(Path(args.out) / f"profile_{workload}_{a}.txt", min(args.profile, args.chunk))
+            trainer.add_callback(profilers[a])
         trainers[a] = trainer
     warm_ups = {a: [] for a in attns}
     losses = {a: [] for a in attns}
@@ -126,6 +163,8 @@ def run_workload(workload: str, attns: list[str], args) -> dict:
         for a in attns:
             trainer = trainers[a]
             trainer.train_dataset = part
+            if a in profilers and c == chunks - 1:  # one step of the last chunk, warm
+                profilers[a].armed = True
             trainer.train()
             warm_ups[a].append(trainer.odc_attention_warm_up)
             losses[a] += [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -187,6 +226,8 @@ def main(argv=None) -> None:
     p.add_argument("--chunk", type=int, default=5, help="steps a variant runs before the next takes its turn")
     p.add_argument("--ac", default="none", help="ODCConfig.activation_checkpointing (none: 1.5B at 32k fits an H200)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0,
+                   help="profile the N-th step of each variant's last chunk (torch.profiler table under --out)")
     p.add_argument("--tiny", action="store_true", help="CPU dry run: tiny model, short rows")
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))

@@ -168,10 +168,14 @@ def _grpo_rank(rank, world, output_dir, use_peft):
                       num_generations=4, max_completion_length=32, learning_rate=1e-3, logging_steps=1,
                       save_strategy="no", report_to="none", bf16=False, use_cpu=True, disable_tqdm=True,
                       temperature=1.0, generation_kwargs={"eos_token_id": stop})  # fmt: skip
+    # Attention-bound costs: LB-Mini splits the packed rows (the CPU default) unevenly (see test_grpo_parity.QUADRATIC)
+    costs = Path(output_dir) / f"quadratic_{rank}.json"
+    costs.parent.mkdir(parents=True, exist_ok=True)
+    costs.write_text('{"a": 0.0, "b": 1e-6, "c": 1e-5}')
     trainer = _audited(grpo_lazy("ODCGRPOTrainer"), log)(
         model=tiny_qwen2_model(tokenizer), reward_funcs=arithmetic_reward, args=args,
         train_dataset=arithmetic_dataset(64, 0), processing_class=tokenizer,
-        odc_config=ODCConfig(max_tokens_per_microbatch=80), peft_config=_lora(use_peft),
+        odc_config=ODCConfig(max_tokens_per_microbatch=80, cost_model=str(costs)), peft_config=_lora(use_peft),
     )  # fmt: skip
     with log:
         trainer.train()
