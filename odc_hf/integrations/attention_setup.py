@@ -134,9 +134,10 @@ def choose_attention(trainer) -> dict:
     return {"choice": config.attention, "implementation": name, "reason": reason}
 
 
-def prepare_attention(trainer, budget: int) -> None:
+def prepare_attention(trainer, budget: int | None) -> None:
     """Before the first step, on a GPU: plan cuDNN's attention shapes of every length up to the token budget
-    (``sdpa_varlen``, :func:`odc_hf.attention.warm_up`) or compile FlashAttention-4's kernels (:func:`warm_up_flash`).
+    (``sdpa_varlen``, :func:`odc_hf.attention.warm_up`; skipped when ``budget`` is None, as for GRPO, whose budget
+    comes with each generation) or compile FlashAttention-4's kernels (:func:`warm_up_flash`).
 
     ``trainer``: an ODC trainer (its ``accelerator``, ``model`` and ``odc_config``); what ran lands in
     ``trainer.odc_attention_warm_up`` (``{"kind", "shapes", "seconds", "dtype"}``)."""
@@ -149,6 +150,8 @@ def prepare_attention(trainer, budget: int) -> None:
         return
     start = time.perf_counter()
     if odc_hf.attention.attention_of(model) is not None:
+        if budget is None:
+            return
         kind, shapes = "sdpa_varlen", odc_hf.attention.warm_up(model, budget, dtype=dtype, device=accelerator.device)
     elif implementation == FLASH_ATTENTION_4:
         kind, shapes = FLASH_ATTENTION_4, warm_up_flash(model, dtype=dtype, device=accelerator.device)

@@ -43,7 +43,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from odc_hf.balance.padded import padded_microbatch_width, plan_padded
 from odc_hf.balance.planner import PLANNERS
-from odc_hf.integrations.attention_setup import is_varlen
+from odc_hf.integrations.attention_setup import is_varlen, prepare_attention
 from odc_hf.integrations.grpo_batch import (
     CUDA_PAD_TO_MULTIPLE_OF,
     PACKED_KEY,
@@ -150,6 +150,7 @@ class _GRPOPart:
 
     # -- data: one dataloader batch (this rank's part of a generation batch) per optimizer step --------------
     def get_train_dataloader(self):
+        prepare_attention(self, None)  # FlashAttention-4's kernels compiled before step 1 (no-op elsewhere)
         return super(ODCMixin, self).get_train_dataloader()  # TRL's loader, with the sampler below
 
     def _get_train_sampler(self, dataset=None):
