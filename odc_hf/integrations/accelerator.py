@@ -33,6 +33,7 @@ from accelerate.utils import DistributedType
 
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import ODCHandle, install_odc, is_sharded, shard_model, sum_reduction
+from odc_hf.fsdp.sharding import gather_head_with_final_norm
 from odc_hf.integrations import parallelism
 from odc_hf.integrations.plugin import ODCFSDPPlugin, as_odc_plugin, refuse_other_engines
 
@@ -169,6 +170,8 @@ class ODCAccelerator(Accelerator):
         prepared = super().prepare(*args, device_placement=device_placement)
         result = tuple(prepared) if isinstance(prepared, (tuple, list)) else (prepared,)
         prepared_model = next(r for r in result if isinstance(r, torch.nn.Module))
+        # accelerate's FSDP2 path misses the final norm of a PeftModel: an untied lm_head sits alone in its unit
+        gather_head_with_final_norm(prepared_model)
         if not config.enabled:
             # The collective baseline: plain FSDP2, but with ODC's SUM semantics (the loss carries the global
             # normaliser), so that both modes train identically.
