@@ -306,7 +306,7 @@ class _GRPOPart:
         metrics = self._metrics["train"]
         return {k: len(metrics[k]) for k in (*mean_keys(self.beta), *CLIP_EXTREMES)}
 
-    def odc_after_bundle(self, snapshot) -> None:
+    def odc_after_bundle(self, snapshot, bundle) -> None:
         """Replace what TRL's ``_compute_loss`` appended per ODC microbatch by its per-slice values (one gather)."""
         local = self.odc_slice_metrics.vector().to(self.accelerator.device)
         every = self.accelerator.gather(local.unsqueeze(0)).reshape(self.accelerator.num_processes, -1).cpu()

@@ -284,10 +284,11 @@ class ODCMixin:
         if self.odc is not None:
             self.odc.finish_minibatch(inputs.label_tokens)
         wait = time.perf_counter() - start - busy
-        self._odc_record(busy, wait, inputs)
-        self.odc_after_bundle(snapshot)
-        # Trainer logs the mean over ranks of what we return: scale so that it is the global loss.
-        return loss_sum * self.accelerator.num_processes
+        global_loss = self._odc_record(busy, wait, inputs, loss_sum)
+        self.odc_after_bundle(snapshot, inputs)
+        # The step's loss over every rank, returned on every rank: the Trainer's logged loss (a mean over ranks of
+        # what the ranks return) and its final train_loss (which adds rank 0's own unlogged remainder) both read it.
+        return global_loss
 
     ODC_MAX_TIMINGS = 20_000
     """Microbatch timings kept per rank for ``odc_microbatch_timings.json`` (the most recent)."""
@@ -297,18 +298,25 @@ class ODCMixin:
     def _odc_time_microbatches(self) -> bool:
         return self.odc is not None and self.state.global_step >= self.ODC_TIMING_WARMUP_STEPS
 
-    def _odc_record(self, busy: float, wait: float, bundle: Bundle) -> None:
-        row = torch.tensor([busy, wait, len(bundle.microbatches), bundle.input_tokens], dtype=torch.float64,
-                           device=self.accelerator.device)  # fmt: skip
+    def _odc_record(self, busy: float, wait: float, bundle: Bundle, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Gather every rank's step statistics and loss (the step's one gather); returns the step's global loss.
+
+        Each microbatch loss is already divided by the global label-token count, so the ranks' sums add up to the
+        step's loss. It rides on the statistics' gather: no collective of its own."""
+        row = torch.tensor([busy, wait, len(bundle.microbatches), bundle.input_tokens, float(loss_sum)],
+                           dtype=torch.float64, device=self.accelerator.device)  # fmt: skip
         rows = self.accelerator.gather(row) if self.accelerator.num_processes > 1 else row
-        self.odc_stats.add(StepStats.from_gathered(rows))
+        rows = rows.reshape(-1, 5)
+        self.odc_stats.add(StepStats.from_gathered(rows[:, :4]))
+        return rows[:, 4].sum().to(loss_sum.dtype)
 
     def odc_before_bundle(self):
         """Hook: state to aggregate per-microbatch metrics once per step (see ODCSFTTrainer)."""
         return None
 
-    def odc_after_bundle(self, snapshot) -> None:
-        """Hook: aggregate what ``odc_before_bundle`` snapshotted; runs once per step on every rank."""
+    def odc_after_bundle(self, snapshot, bundle: Bundle) -> None:
+        """Hook: aggregate what ``odc_before_bundle`` snapshotted; runs once per step on every rank, with the step's
+        bundle (this rank's microbatches, each with its ``num_label_tokens``)."""
 
     def floating_point_ops(self, inputs) -> int:
         if isinstance(inputs, Bundle):

@@ -24,6 +24,7 @@ from odc_hf.integrations.trainer import make_odc_trainer
 # here once tests/test_grpo_trl_surface.py and the parity tests (tests/test_*parity.py) pass on it.
 TESTED_TRL = ("1.16",)
 _AVERAGED = ("entropy", "mean_token_accuracy", "aux_loss")
+_TOKEN_WEIGHTED = ("entropy", "mean_token_accuracy")  # ratios over a step's label tokens in TRL
 
 
 def check_trl(trainer, trainer_name: str, *, methods=(), attributes=()) -> None:
@@ -45,19 +46,32 @@ def check_trl(trainer, trainer_name: str, *, methods=(), attributes=()) -> None:
 
 
 class _SFTMetrics:
-    """Once-per-step aggregation of TRL SFT metrics that ``compute_loss`` recorded per local microbatch."""
+    """Once-per-step aggregation of TRL SFT metrics that ``compute_loss`` recorded per local microbatch.
+
+    TRL computes ``entropy`` and ``mean_token_accuracy`` of a step over all its label tokens (sums over the batch,
+    divided by its label-token count). Its per-microbatch values here are ratios over each microbatch's label tokens,
+    so each is weighted by that count (``num_label_tokens``) to rebuild the step's ratio; a microbatch without label
+    tokens (TRL records 0.0 for it) weighs nothing. ``aux_loss`` is a plain mean, as in TRL.
+    """
 
     def odc_before_bundle(self):
         metrics = self._metrics["train"]
         return {k: len(metrics[k]) if k in metrics else 0 for k in _AVERAGED}, self._total_train_tokens
 
-    def odc_after_bundle(self, snapshot) -> None:
+    def odc_after_bundle(self, snapshot, bundle) -> None:
         lengths, tokens_before = snapshot
         metrics = self._metrics["train"]
+        label_tokens = [float(mb["num_label_tokens"]) for mb in bundle.microbatches]
         values = []
         for key in _AVERAGED:
             new = metrics[key][lengths[key] :] if key in metrics else []
-            values += [float(sum(new)), float(len(new))]
+            if key in _TOKEN_WEIGHTED and new:
+                if len(new) != len(label_tokens):
+                    raise RuntimeError(f"odc_hf: TRL recorded {len(new)} {key} values for {len(label_tokens)} "
+                                       f"microbatches; expected one per microbatch (trl {TESTED_TRL})")  # fmt: skip
+                values += [sum(v * n for v, n in zip(new, label_tokens)), sum(label_tokens)]
+            else:
+                values += [float(sum(new)), float(len(new))]
         values.append(float(self._total_train_tokens - tokens_before))
         vector = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
@@ -66,7 +80,7 @@ class _SFTMetrics:
         for i, key in enumerate(_AVERAGED):
             if key in metrics:
                 del metrics[key][lengths[key] :]
-            if vector[2 * i + 1] > 0:  # mean over every microbatch of every rank
+            if vector[2 * i + 1] > 0:  # over every label token (or microbatch) of every rank
                 metrics[key].append(vector[2 * i] / vector[2 * i + 1])
         self._total_train_tokens = tokens_before + int(vector[-1])
         metrics["num_tokens"] = [self._total_train_tokens]
