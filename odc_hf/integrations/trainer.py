@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import logging
 import time
@@ -37,7 +38,13 @@ from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
 from odc_hf.integrations.failures import failure_guard
 from odc_hf.integrations.plugin import as_odc_plugin, refuse_other_engines
 from odc_hf.integrations.stats import MicrobatchClock, RunStats, StepStats, document_lengths, plot_timeline
-from odc_hf.integrations.train_data import check_budget, check_minibatch_fits, train_lengths
+from odc_hf.integrations.train_data import (
+    check_budget,
+    check_minibatch_fits,
+    check_not_empty,
+    train_lengths,
+    warn_no_label_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +103,20 @@ class ODCMixin:
         self.odc_microbatch_timings: list[tuple[list[int], float]] = []
         self.odc_attention_warm_up: dict | None = None  # {"shapes", "seconds", "dtype"} once warm_up ran
         self.odc_compute: compute_path.ComputePath | None = None
+        # before the base trainer reads the first row (TRL's SFTTrainer: a bare StopIteration on an empty dataset)
+        check_not_empty(self._odc_argument("train_dataset", args, kwargs))
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
         if self.odc_compute_path:
             self.odc_compute = compute_path.setup(self)
+
+    def _odc_argument(self, name: str, args: tuple, kwargs: dict):
+        """The base trainer's ``name`` argument as this call passes it (by keyword or by position), else ``None``."""
+        try:
+            bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
+        except TypeError:  # the base trainer will report the bad call itself
+            return None
+        return bound.arguments.get(name)
 
     def odc_base_fused_head(self) -> bool:
         """Hook: True where the base trainer's ``compute_loss`` runs TRL's fused LM head itself (SFTTrainer)."""
@@ -246,6 +263,8 @@ class ODCMixin:
         total = (
             self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
         )
+        if total.item() == 0 and self.accelerator.is_main_process:
+            warn_no_label_tokens(self.state.global_step + 1, self.odc_mask_keys())
         return [bundle], total.clamp(min=1)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -430,6 +449,8 @@ class ODCMixin:
         summary = self.odc_stats.total()
         if not summary or not self.accelerator.is_main_process:
             return
+        if self.odc is None:  # collectives: the bubble is hidden inside FSDP's collectives (see log())
+            summary = {k: v for k, v in summary.items() if k not in ("odc/bubble_rate", "odc/wait_s_mean")}
         self.odc_summary = summary
         if self.odc_config.log_timeline:
             path = plot_timeline(self.odc_stats.steps[-50:], Path(self.args.output_dir) / "odc_timeline.png")
