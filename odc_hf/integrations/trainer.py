@@ -36,6 +36,7 @@ from odc_hf.integrations.attention_setup import prepare_attention
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
 from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
 from odc_hf.integrations.failures import failure_guard
+from odc_hf.integrations.launch_config import check_fsdp_config
 from odc_hf.integrations.plugin import as_odc_plugin, refuse_other_engines
 from odc_hf.integrations.stats import MicrobatchClock, RunStats, StepStats, document_lengths, plot_timeline
 from odc_hf.integrations.train_data import (
@@ -150,6 +151,7 @@ class ODCMixin:
         # Gradients are SUMS over ranks under ODC; the loss is already divided by the global token count.
         args.average_tokens_across_devices = False
         check_launch_before_accelerate()
+        check_fsdp_config(args.fsdp_config, "the training arguments' fsdp_config")
         self.odc_plugin = None
         # HSDP on a CPU host: accelerate refuses a ParallelismConfig there; odc_hf builds its mesh (parallelism.py)
         held = parallelism.take(args.parallelism_config, cpu=args.use_cpu)
