@@ -348,7 +348,25 @@ class ODCMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """On GPUs accelerate's FSDP2 path saves; on the CPU path (sharded by odc_hf) gather a full state dict
         on every rank (a collective) and write from the main process what the Trainer writes: the model, the
-        processing class and ``training_args.bin``."""
+        processing class and ``training_args.bin`` (with the user's ``gradient_accumulation_steps``: see
+        :meth:`_odc_users_arguments`)."""
+        with self._odc_users_arguments():
+            self._odc_save_model(output_dir, _internal_call)
+
+    @contextlib.contextmanager
+    def _odc_users_arguments(self):
+        """The training arguments as the user set them while they are written out (``training_args.bin``, by this
+        class or by ``Trainer._save``): the Trainer runs with ``gradient_accumulation_steps=1`` (the accumulation is
+        folded into each step's bundle), but a reader of the file (a resumed run, model-card tools) must see the
+        user's value. Nothing reads the setting while a model is saved."""
+        folded = self.args.gradient_accumulation_steps
+        self.args.gradient_accumulation_steps = self.odc_folded_accumulation
+        try:
+            yield
+        finally:
+            self.args.gradient_accumulation_steps = folded
+
+    def _odc_save_model(self, output_dir: str | None, _internal_call: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from transformers.trainer import TRAINING_ARGS_NAME
 
