@@ -18,7 +18,7 @@ completions sets the pace of every layer of every microbatch. Here, per generati
    metrics are recomputed per TRL microbatch (slice) and aggregated once per step as TRL defines them
    (:mod:`odc_hf.integrations.grpo_metrics`).
 
-TRL private surfaces used, all checked at construction (:func:`odc_hf.integrations.trl.check_trl`, the one TRL
+TRL private surfaces used, all checked at construction (:func:`odc_hf.integrations.trl_version.check_trl`, the one TRL
 version policy; ``tests/test_grpo_trl_surface.py``):
 ``_generate_and_score_completions`` (generation + scoring), ``_get_train_sampler`` (overridden: one dataloader
 batch per optimizer step), ``_metrics`` (per-step aggregation), ``_get_per_token_logps_and_entropies`` and
@@ -48,8 +48,8 @@ from odc_hf.integrations.grpo_batch import (
 )
 from odc_hf.integrations.grpo_metrics import CLIP_EXTREMES, MetricRecorder, SliceMetrics, mean_keys, rows
 from odc_hf.integrations.trainer import ODCMixin
-from odc_hf.integrations.trl import check_trl
 from odc_hf.integrations.trl_config import quiet_upstream_deprecations
+from odc_hf.integrations.trl_version import check_trl
 
 logger = logging.getLogger(__name__)
 
