@@ -67,6 +67,9 @@ def parse_args(argv=None):
     # what can be checked here is, once, before processes are launched and load the model and the data
     if args.num_samples < 1:
         p.error(f"--num_samples must be at least 1, got {args.num_samples}")
+    name = args.model_name_or_path
+    if name and (name.startswith((".", "/", "~")) or name.count("/") > 1) and not Path(name).expanduser().is_dir():
+        p.error(f"--model_name_or_path {name!r} is not a directory (a local path), nor a hub name such as Qwen/Qwen2.5-0.5B")
     from odc_hf.config import ODCConfig
 
     try:

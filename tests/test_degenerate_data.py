@@ -53,7 +53,7 @@ def test_an_empty_dataset_on_the_sft_path_is_named(tmp_path, cpu):
         ODCTrainer(tiny_qwen2_model(default_tokenizer()), args, None, Dataset.from_dict({"input_ids": []}))
 
 
-def test_sft_example_refuses_zero_samples_before_launching(capsys):
+def test_sft_example_refuses_bad_settings_before_launching(capsys):
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         import sft
@@ -62,6 +62,14 @@ def test_sft_example_refuses_zero_samples_before_launching(capsys):
     with pytest.raises(SystemExit):
         sft.parse_args(["--num_samples", "0"])
     assert "--num_samples must be at least 1, got 0" in capsys.readouterr().err
+    # the other settings it can check before launching (issue 29, defect 6): the budget, a local model path
+    with pytest.raises(SystemExit):
+        sft.parse_args(["--max_tokens_per_microbatch", "0"])
+    assert "max_tokens_per_microbatch must be a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sft.parse_args(["--model_name_or_path", "./no_such_model"])
+    assert "--model_name_or_path './no_such_model' is not a directory" in capsys.readouterr().err
+    assert sft.parse_args(["--odc", "off"]).odc == "off"  # validated with the LB-Micro plan main() gives it
 
 
 def test_every_text_empty_is_an_error_about_the_data(tmp_path, cpu):

@@ -6,11 +6,16 @@ transformers' Trainer logs the mean over ranks of what ``training_step`` returne
 adds rank 0's own unlogged remainder to ``train_loss``; returning a rank's share times the number of ranks was right
 for the first only. TRL's accuracy is a step's correct tokens over its label tokens, not a mean over microbatches.
 
+The same runs check that FSDP emits no warning (issue 28: under torch 2.11, "did not run forward before backward" about
+the lm_head TRL's fused head reads without calling it, on every correct run).
+
 ODCSFTTrainer runs on 2 CPU ranks (LB-Mini, uneven microbatch counts on some steps); TRL's SFTTrainer in this process on
 each whole minibatch, as tests/sft_runs.py sets both up.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import sft_runs
@@ -32,6 +37,10 @@ def _odc_rank(rank, world, out):
 
     tokenizer = default_tokenizer()
     runs = {}
+    fsdp_warnings: list[str] = []  # torch 2.11's "did not run forward before backward" about the fused head
+    handler = logging.Handler(level=logging.WARNING)
+    handler.emit = lambda record: fsdp_warnings.append(record.getMessage())
+    logging.getLogger("torch.distributed.fsdp.fully_shard").addHandler(handler)
     for interval in INTERVALS:
         model = tiny_qwen2_model(tokenizer, seed=sft_runs.SEED)
         model.set_attn_implementation("sdpa_varlen")
@@ -44,6 +53,7 @@ def _odc_rank(rank, world, out):
         runs[interval] = {"train_loss": output.training_loss, "logs": _logs(trainer),
                           "microbatches": [s.microbatches for s in trainer.odc_stats.steps]}  # fmt: skip
         trainer.odc.close()
+    runs["fsdp_warnings"] = fsdp_warnings
     return runs
 
 
@@ -67,6 +77,9 @@ def _trl(out, interval: int) -> dict:
 @pytest.mark.slow
 def test_train_loss_and_logged_metrics_equal_trl_at_every_logging_interval(tmp_path, monkeypatch):
     odc = run_ranks(_odc_rank, 2, str(tmp_path / "odc"), env={"ACCELERATE_USE_CPU": "true"})
+    # No FSDP warning on these correct runs (issue 28: torch 2.11 warned on every run that lm_head, read by TRL's
+    # fused head without being called, "did not run forward before backward"; torch 2.13 does not emit it at all)
+    assert odc[0].pop("fsdp_warnings") == [] and odc[1].pop("fsdp_warnings") == []
     assert odc[0] == odc[1]  # every rank reports the same numbers
     counts = odc[0][1]["microbatches"]
     assert any(len(set(step)) > 1 for step in counts), counts  # the ranks ran different numbers of microbatches
