@@ -97,8 +97,7 @@ class ODCMixin:
         if odc_config is None:  # trainer arguments' odc_* fields, then ODC_* variables, then defaults
             from odc_hf.integrations.arguments import odc_config_from_args
 
-            training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-            odc_config = odc_config_from_args(training_args)
+            odc_config = odc_config_from_args(self._odc_argument("args", args, kwargs))  # GRPO's is 3rd, not 2nd
         self.odc_config = odc_config
         self.odc_stats = RunStats()
         self.odc_microbatch_timings: list[tuple[list[int], float]] = []
