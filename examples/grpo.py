@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--use_peft", action="store_true", help="train LoRA adapters (peft) instead of the whole model")
     p.add_argument("--lora_r", type=int, default=8, help="LoRA rank (with --use_peft), on q_proj and v_proj")
+    p.add_argument("--untied_lm_head", action="store_true",
+                   help="tiny model only: an lm_head of its own (Llama / Mistral style) instead of the tied embedding")
     p.add_argument("--report_to", default="none")
     p.add_argument("--num_processes", type=int, default=2,
                    help="processes of `python examples/grpo.py` (ignored under accelerate launch): 2 run ODC on 2+ "
@@ -128,7 +130,7 @@ def build_model(args, tokenizer, output_dir: Path):
 
     if args.model_name_or_path:
         return args.model_name_or_path
-    model = tiny_qwen2_model(tokenizer, seed=args.seed)
+    model = tiny_qwen2_model(tokenizer, seed=args.seed, tie_word_embeddings=not args.untied_lm_head)
     if args.beta == 0.0:
         return model
     path = output_dir / "init_model"

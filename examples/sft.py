@@ -69,7 +69,23 @@ def parse_args(argv=None):
     p.add_argument("--activation_checkpointing", default=None,
                    help="auto (default: the least recomputation that fits the GPU) | full | none | a fraction like 0.5")
     p.add_argument("--losses_json", default=None, help="write per-step losses and microbatch counts here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # what can be checked here is, once, before processes are launched and load the model and the data
+    if args.num_samples < 1:
+        p.error(f"--num_samples must be at least 1, got {args.num_samples}")
+    name = args.model_name_or_path
+    if name and (name.startswith((".", "/", "~")) or name.count("/") > 1) and not Path(name).expanduser().is_dir():
+        p.error(f"--model_name_or_path {name!r} is not a directory (a local path), nor a hub name such as Qwen/Qwen2.5-0.5B")
+    from odc_hf.config import ODCConfig
+
+    try:
+        balance = args.balance or ("lb_micro" if args.odc == "off" else None)  # as main() sets it
+        ODCConfig.from_env(max_tokens_per_microbatch=args.max_tokens_per_microbatch, balance=balance,
+                           cost_model=args.cost_model, activation_checkpointing=args.activation_checkpointing,
+                           enabled=None if args.odc is None else args.odc == "on")  # fmt: skip
+    except ValueError as err:
+        p.error(str(err))
+    return args
 
 
 def build_model(args, tokenizer):
@@ -180,9 +196,11 @@ def main(argv=None):
             else ("FSDP2 collectives" if world > 1 else "single process, no ODC")
         )
         final = f"{history[-1]['loss']:.4f}" if history else "n/a (no step logged)"
+        # a collective run's waits hide inside FSDP's collectives: no bubble rate to report (docs/configuration.md)
+        bubble = f"bubble rate {summary['odc/bubble_rate']:.1%}, " if "odc/bubble_rate" in summary else ""
         print(f"\nodc_hf summary ({mode}, {odc_config.balance}, {trainer.accelerator.num_processes} processes, "
               f"{trainer.state.global_step} steps): final loss {final}, "
-              f"tokens/s {summary.get('odc/tokens_per_s', 0):.0f}, bubble rate {summary.get('odc/bubble_rate', 0):.1%}, "
+              f"tokens/s {summary.get('odc/tokens_per_s', 0):.0f}, {bubble}"
               f"microbatches per rank {summary.get('odc/microbatches_min', 0):.0f}-{summary.get('odc/microbatches_max', 0):.0f}; "
               f"timeline: {Path(args.output_dir) / 'odc_timeline.png'}", flush=True)  # fmt: skip
     return trainer

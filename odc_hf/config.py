@@ -11,6 +11,7 @@ applies the environment, then your non-None overrides.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -103,8 +104,12 @@ class ODCConfig:
             raise ValueError(f"max_tokens_per_microbatch must be a positive integer, got {budget}")
         if int(self.attention_shape_bucket) != self.attention_shape_bucket or self.attention_shape_bucket < 0:
             raise ValueError(f"attention_shape_bucket must be an integer >= 0, got {self.attention_shape_bucket}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):  # NaN compares False: a wait never ends
+            raise ValueError(
+                f"timeout_s must be a finite number of seconds > 0 (ODC_TIMEOUT_S, --odc_timeout_s), got {self.timeout_s}"
+            )
+        if self.shm_dir is not None:
+            check_shm_dir(self.shm_dir)
         if isinstance(self.activation_checkpointing, (int, float)):  # ODCConfig(activation_checkpointing=0.5)
             object.__setattr__(self, "activation_checkpointing", str(self.activation_checkpointing))
         if self.activation_checkpointing not in CHECKPOINTING_NAMES:
@@ -117,8 +122,10 @@ class ODCConfig:
                     f"activation_checkpointing must be one of {CHECKPOINTING_NAMES} or a fraction of the decoder "
                     f"layers between 0 and 1 such as '0.5', got {self.activation_checkpointing!r}"
                 )
-        if self.device_memory_gib is not None and self.device_memory_gib <= 0:
-            raise ValueError(f"device_memory_gib must be positive, got {self.device_memory_gib}")
+        if self.device_memory_gib is not None and not (
+            math.isfinite(self.device_memory_gib) and self.device_memory_gib > 0
+        ):
+            raise ValueError(f"device_memory_gib must be a finite number > 0, got {self.device_memory_gib}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.attention not in ATTENTION_CHOICES:
@@ -141,6 +148,18 @@ class ODCConfig:
                 values[field.name] = _parse(field, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def check_shm_dir(path: str) -> None:
+    """``shm_dir`` must be an existing, writable directory: checked when the config is made, before any rank imports a
+    model or tokenizes (the transport creates its files there only at ``prepare()``)."""
+    if not os.path.isdir(path):
+        raise ValueError(
+            f"shm_dir {path!r} (ODC_SHM_DIR, --odc_shm_dir) is not an existing directory: create it, or unset it to use "
+            "/dev/shm (or the temp directory when /dev/shm is too small)"
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"shm_dir {path!r} (ODC_SHM_DIR, --odc_shm_dir) is not writable by this process")
 
 
 def parse_count(text: str) -> int:

@@ -106,12 +106,38 @@ def launch_env(plan: LaunchPlan, environ=None) -> dict[str, str]:
     return env
 
 
+def check_target(target: str) -> None:
+    """The script or module to run exists, or a clear error (``SystemExit``) naming it, before any work starts."""
+    import importlib.util
+
+    if target.endswith(".py") or os.path.sep in target:
+        if not os.path.isfile(target):
+            raise SystemExit(f"odc_hf.run: no script {target!r} (path relative to {os.getcwd()!r})")
+        return
+    try:
+        spec = importlib.util.find_spec(target)
+    except (ImportError, ValueError):  # a missing parent package, or a malformed name
+        spec = None
+    if spec is None:
+        raise SystemExit(
+            f"odc_hf.run: no module {target!r} to run (is it installed? a script needs its .py path); usage: "
+            "python -m odc_hf.run <module | script.py> [args]"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         raise SystemExit(0 if argv else 2)
     target, rest = argv[0], argv[1:]
+    check_target(target)  # before the imports below (seconds) and before the target loads and tokenizes
+    from odc_hf.config import ODCConfig
+
+    try:
+        ODCConfig.from_env()  # the ODC_* variables' errors now, not after every rank loaded the model and the data
+    except ValueError as err:
+        raise SystemExit(f"odc_hf.run: {err}") from None
     from odc_hf.integrations.trl import patch_trl
     from odc_hf.integrations.trl_config import ignore_upstream_deprecations
 

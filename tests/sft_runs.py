@@ -39,7 +39,7 @@ def dataset(tokenizer):
     return default_tokenized_dataset(tokenizer, NUM_SAMPLES, max_length=MAX_LENGTH, seed=SEED)
 
 
-def minibatch_order(num_samples: int) -> list[int]:
+def minibatch_order(num_samples: int, steps: int = MAX_STEPS) -> list[int]:
     """The dataset indices ODC trains, step after step: the sampler's public epoch order (which samples form each
     global minibatch; how they are split over ranks and microbatches is what the comparison tests)."""
     from odc_hf.balance import ODCBatchSampler
@@ -47,7 +47,7 @@ def minibatch_order(num_samples: int) -> list[int]:
     # which samples form a minibatch depends on the seed and the minibatch size only, not on the number of ranks
     sampler = ODCBatchSampler([1] * num_samples, world_size=1, rank=0, minibatch_size=MINIBATCH,
                               max_tokens_per_microbatch=BUDGET, seed=SEED)  # fmt: skip
-    return [int(i) for step in range(MAX_STEPS) for i in sampler.minibatch_indices(step)]
+    return [int(i) for step in range(steps) for i in sampler.minibatch_indices(step)]
 
 
 def sft_config(out: Path, **changes):

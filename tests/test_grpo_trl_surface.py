@@ -9,7 +9,7 @@ import torch
 
 from odc_hf.balance.padded import pack_padded
 from odc_hf.integrations import grpo, grpo_batch
-from odc_hf.integrations.trl import TESTED_TRL
+from odc_hf.integrations.trl_version import TESTED_TRL
 
 
 def test_private_grpo_surfaces_exist_on_the_installed_trl():

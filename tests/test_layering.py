@@ -154,3 +154,65 @@ def test_balance_imports_with_hugging_face_and_torch_distributed_blocked():
                           env=env, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "loaded []"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """odc_hf module -> the odc_hf modules it imports (anywhere in the file: top level, in functions, under
+    ``TYPE_CHECKING``). ``from package import name`` points at ``package.name`` when that is a module, else at the
+    package (its ``__init__``)."""
+    paths = {_module_name(p): p for p in (ROOT / "odc_hf").rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names if alias.name in paths}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                for alias in node.names:
+                    target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base
+                    if target in paths:
+                        edges.add(target)
+        graph[name] = edges - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (Tarjan's algorithm), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph[node]):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_module_import_graph_has_no_cycles():
+    """A cycle (even through a function-level or TYPE_CHECKING import) means two modules each need the other: one of
+    them holds something that belongs to a third, or to the other. Lists every cycle found."""
+    assert _cycles(_module_graph()) == []

@@ -1,7 +1,8 @@
 """GRPO with LoRA (peft) under ODC: ODCGRPOTrainer's per-step losses and grad norms equal TRL's own GRPOTrainer +
 the same LoRA (DDP collectives, TRL's loss code) on the same rollouts (CPU, 2 processes through `accelerate launch`),
 with the KL term on (beta > 0: TRL's reference is the base model with the adapter disabled, run under ODC too) and
-ranks running different numbers of microbatches on some step. Runs examples/grpo.py as tests/test_grpo_parity.py
+ranks running different numbers of microbatches on some step. The model's lm_head is untied (Llama / Mistral style):
+the fused head reads it through the PeftModel, which crashed at step 1 before the head shared the norm's unit. Runs examples/grpo.py as tests/test_grpo_parity.py
 does, with ``--use_peft``."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LOSS_TYPES = ("dapo", "grpo")  # a global-token normaliser and a per-sequence one
 COMMON = ["--fixed_rollouts", "--max_steps", "4", "--loss_type", ",".join(LOSS_TYPES), "--beta", "0.05",
           "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_completion_length", "48",
-          "--use_peft", "--lora_r", "8", "--learning_rate", "1e-2"]  # fmt: skip
+          "--use_peft", "--lora_r", "8", "--learning_rate", "1e-2",
+          "--untied_lm_head"]  # fmt: skip  # LoRA with a tied head: tests/test_collective_audit.py's GRPO run
 
 
 def launch(tmp_path: Path, name: str, *extra: str) -> dict:

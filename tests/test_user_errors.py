@@ -50,7 +50,11 @@ def _first_hour(rank, world_size, output_dir):
             return str(err)
         return None
 
-    seen["empty"] = error_of(_trainer_on(rank, output_dir, Dataset.from_dict({"input_ids": []})))
+    try:  # refused at construction, before the base trainer reads a first row (TRL's SFTTrainer would)
+        _trainer_on(rank, output_dir, Dataset.from_dict({"input_ids": []}))
+        seen["empty"] = None
+    except ValueError as err:
+        seen["empty"] = str(err)
     seen["too_small"] = error_of(_trainer_on(rank, output_dir, data.select(range(10)), per_device_train_batch_size=4,
                                              gradient_accumulation_steps=2, dataloader_drop_last=True))  # fmt: skip
     seen["too_long"] = error_of(_trainer_on(rank, output_dir, data, odc_config=ODCConfig(max_tokens_per_microbatch=16)))

@@ -28,6 +28,11 @@ def param_groups(module: FSDPModule) -> list:
     return [] if group is None else [group]
 
 
+def group_modules(group) -> tuple:
+    """The modules one ``fully_shard`` call grouped into ``group`` (FSDPParamGroup.modules, torch 2.11 and 2.13)."""
+    return tuple(group.modules)
+
+
 def fsdp_params(group) -> list:
     params = list(group.fsdp_params)
     for p in params:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from odc_hf.fsdp import internals
+
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` was applied anywhere in ``model`` (by accelerate, by :func:`shard_model` or by hand)."""
@@ -27,9 +29,36 @@ def _block_classes(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def _final_norm(model: torch.nn.Module):
-    inner = getattr(model, "model", None) or getattr(model, getattr(model, "base_model_prefix", ""), None)
-    return getattr(inner, "norm", None) if inner is not None else None
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside the wrappers the trainers hand over: PEFT's ``PeftModel`` (``get_base_model()``,
+    through its ``LoraModel``) and ``torch.compile``'s ``OptimizedModule`` (``_orig_mod``); ``model`` itself if plain.
+
+    The final norm is a child of the transformers model, so it must be looked up there: on the wrapper, attribute
+    forwarding lands one level short (``PeftModel.model`` is the causal LM, whose children are the backbone and
+    ``lm_head``), and an untied ``lm_head`` ended alone in a tail unit no forward ever gathers (issue 29).
+    """
+    for _ in range(8):  # wrappers nest (a compiled PeftModel); bounded, never a cycle
+        if hasattr(model, "get_base_model"):
+            inner = model.get_base_model()
+        else:
+            inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module) or inner is model:
+            return model
+        model = inner
+    return model
+
+
+def final_norm(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The norm before the output head: the last direct child of the backbone (``base_model_prefix``) whose class
+    name says norm (``model.norm`` in Llama/Qwen/Mistral, ``transformer.ln_f`` in GPT-2); ``None`` if there is none.
+    Looked up through :func:`unwrap_model`, so a ``PeftModel`` finds the same norm as the plain model."""
+    model = unwrap_model(model)
+    prefix = getattr(model, "base_model_prefix", "")
+    backbone = getattr(model, prefix, None) if prefix else None
+    if not isinstance(backbone, torch.nn.Module):
+        return None
+    norms = [m for _, m in backbone.named_children() if "norm" in type(m).__name__.lower()]
+    return norms[-1] if norms else None
 
 
 def _default_mesh(model: torch.nn.Module):
@@ -80,10 +109,34 @@ def shard_model(
     tied = input_embed is not None and output_embed is not None and input_embed.weight is output_embed.weight
     if not tied and input_embed is not None:
         fully_shard(input_embed, **kwargs)
-    tail = [_final_norm(model), input_embed if tied else None, output_embed]
+    tail = [final_norm(model), input_embed if tied else None, output_embed]
     tail = [m for m in tail if m is not None and not isinstance(m, FSDPModule)]
     if tail:
         fully_shard(tail, **{**kwargs, "reshard_after_forward": False})
     root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}
     fully_shard(model, **root_kwargs)
     return model
+
+
+def gather_head_with_final_norm(model: torch.nn.Module) -> bool:
+    """Where a sharder left an untied output embedding alone in its unit, gather that unit when the final norm runs.
+
+    Accelerate's FSDP2 path (GPUs) looks for the final norm on the model it is handed, so on a ``PeftModel`` it misses
+    it and ``lm_head`` gets a unit of its own. TRL's fused head and Liger's fused loss read ``lm_head.weight`` without
+    calling the module, so nothing would ever gather that unit (odc_hf's guard then stops the run at step 1). This
+    pulls the gather into the final norm's forward (``FSDPModule.unshard``, FSDP2's public call; under ODC a
+    one-sided gather), which is what sharing the norm's unit does. The unit keeps accelerate's
+    ``reshard_after_forward=False``, so the weight stays gathered until backward. Returns whether it was needed.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    norm = final_norm(model)
+    if not isinstance(head, FSDPModule) or norm is None:
+        return False
+    if any(norm in internals.group_modules(group) for group in internals.param_groups(head)):
+        return False  # already one unit (shard_model's and accelerate's layout of a plain model)
+
+    def gather_head(module, args):
+        head.unshard()
+
+    norm.register_forward_pre_hook(gather_head)
+    return True

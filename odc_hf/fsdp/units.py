@@ -17,7 +17,7 @@ over the shard group; the replicate group gets one all-reduce per minibatch.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,22 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import Replicate, Shard
 
 from odc_hf.fsdp import internals
-from odc_hf.transport import ODCError, UnitSpec
+from odc_hf.transport import ODCError, Transport, UnitSpec
 
-if TYPE_CHECKING:
-    from odc_hf.fsdp.adapter import ODCHandle
+
+class UnitOwner(Protocol):
+    """What a unit's comm hooks (``hooks.py``) ask of the ODC state that owns it (``adapter.ODCHandle``). Named here,
+    as an interface, so that this module does not import the adapter that imports it."""
+
+    transport: Transport | None
+    reduces_unused_params: bool
+
+    @property
+    def replicated(self) -> bool: ...
+
+    def check_can_gather(self, unit: ODCUnit) -> None: ...
+
+    def zero_output(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
 
 
 @dataclasses.dataclass
@@ -62,7 +74,8 @@ class ODCUnit:
     spec: UnitSpec
     world_size: int
     """Ranks in the shard group: the ODC group."""
-    owner: ODCHandle | None = None
+    owner: UnitOwner | None = None
+    """The :class:`~odc_hf.fsdp.adapter.ODCHandle` that installed the unit."""
     id: int | None = None
     """The transport's unit id (``None`` on a shard group of one rank, which has no transport)."""
     fallback: torch.Tensor | None = None

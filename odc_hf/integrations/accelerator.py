@@ -33,7 +33,9 @@ from accelerate.utils import DistributedType
 
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import ODCHandle, install_odc, is_sharded, shard_model, sum_reduction
+from odc_hf.fsdp.sharding import gather_head_with_final_norm
 from odc_hf.integrations import parallelism
+from odc_hf.integrations.launch_config import check_launch_config
 from odc_hf.integrations.plugin import ODCFSDPPlugin, as_odc_plugin, refuse_other_engines
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ def check_launch_before_accelerate(environ=None) -> None:
     mention ODC: an FSDP1 accelerate config (on a CPU-only host accelerate's FSDP1 plugin raises "There are currently
     no available devices found" before odc_hf's own FSDP2 check could run)."""
     environ = os.environ if environ is None else environ
+    check_launch_config(environ)  # odc_* keys in the launch YAML's fsdp_config, which accelerate drops silently
     if environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes") and environ.get("FSDP_VERSION") == "1":
         raise ValueError(
             "odc_hf needs FSDP2: set `fsdp_version: 2` in the accelerate config's fsdp_config (found fsdp_version: 1; "
@@ -194,6 +197,8 @@ class ODCAccelerator(Accelerator):
         prepared = super().prepare(*args, device_placement=device_placement)
         result = tuple(prepared) if isinstance(prepared, (tuple, list)) else (prepared,)
         prepared_model = next(r for r in result if isinstance(r, torch.nn.Module))
+        # accelerate's FSDP2 path misses the final norm of a PeftModel: an untied lm_head sits alone in its unit
+        gather_head_with_final_norm(prepared_model)
         if not config.enabled:
             # The collective baseline: plain FSDP2, but with ODC's SUM semantics (the loss carries the global
             # normaliser), so that both modes train identically.

@@ -182,6 +182,40 @@ def guard_sharded_head(model) -> None:
     model.base_model.register_forward_hook(check)
 
 
+FSDP_LOGGER = "torch.distributed.fsdp.fully_shard"
+UNREAD_MODULE_WARNING = "did not run forward before backward"
+
+
+class UnreadHeadFilter(logging.Filter):
+    """Drops FSDP2's "did not run forward before backward" warning when the only module named is ``head``.
+
+    torch 2.11's ``fully_shard`` warns (once per process) when a module of a multi-module unit never ran forward.
+    The fused losses read ``lm_head.weight`` without calling ``lm_head``, so the tail unit ``[final norm, (embedding,)
+    lm_head]`` triggers it on every correct run; the grouping is what makes the read correct (the norm's forward
+    gathers the unit, :func:`guard_sharded_head` checks it). Any other module, or a second one, still warns.
+    torch 2.13 no longer emits it.
+    """
+
+    def __init__(self, head: torch.nn.Module):
+        super().__init__()
+        self.head = head
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if UNREAD_MODULE_WARNING not in message:
+            return True
+        return not message.endswith(f"Modules that did not run forward: [{self.head!r}]")
+
+
+def quiet_unread_head_warning(model) -> None:
+    """Install :class:`UnreadHeadFilter` for ``model``'s output embedding (with a fused loss only)."""
+    if hasattr(model, "get_base_model"):  # PEFT: the transformers model inside
+        model = model.get_base_model()
+    fsdp_logger = logging.getLogger(FSDP_LOGGER)
+    fsdp_logger.filters = [f for f in fsdp_logger.filters if not isinstance(f, UnreadHeadFilter)]
+    fsdp_logger.addFilter(UnreadHeadFilter(model.get_output_embeddings()))
+
+
 # -- activation checkpointing ----------------------------------------------------------------------------
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The model's ``GradientCheckpointingLayer`` blocks, in order (transformers' per-layer checkpointing unit)."""
@@ -407,6 +441,8 @@ def setup(trainer) -> ComputePath:
         args.use_liger_kernel = False  # applied here, before sharding: the Trainer must not apply them again
     if path.loss != FULL_LOGITS and config.enabled and trainer.accelerator.num_processes > 1:
         guard_sharded_head(model)
+    if path.loss != FULL_LOGITS:
+        quiet_unread_head_warning(model)
     if config.activation_checkpointing == "auto" and user_asked_for_checkpointing(args):
         path.checkpointing = "user"  # the Trainer enables full checkpointing itself, with the user's kwargs
     else:

@@ -23,7 +23,7 @@ completions sets the pace of every layer of every microbatch. Here, per generati
    (:func:`~odc_hf.integrations.grpo_batch.pack_rows`), where TRL's loss and metrics run unchanged; the reference
    model's (and old-policy) log-probs of the generation phase are taken from packed rows the same way.
 
-TRL private surfaces used, all checked at construction (:func:`odc_hf.integrations.trl.check_trl`, the one TRL
+TRL private surfaces used, all checked at construction (:func:`odc_hf.integrations.trl_version.check_trl`, the one TRL
 version policy; ``tests/test_grpo_trl_surface.py``):
 ``_generate_and_score_completions`` (generation + scoring), ``_get_train_sampler`` (overridden: one dataloader
 batch per optimizer step), ``_metrics`` (per-step aggregation), ``_get_per_token_logps_and_entropies`` and
@@ -58,8 +58,8 @@ from odc_hf.integrations.grpo_batch import (
 )
 from odc_hf.integrations.grpo_metrics import CLIP_EXTREMES, MetricRecorder, SliceMetrics, mean_keys, rows
 from odc_hf.integrations.trainer import ODCMixin
-from odc_hf.integrations.trl import check_trl
 from odc_hf.integrations.trl_config import quiet_upstream_deprecations
+from odc_hf.integrations.trl_version import check_trl
 
 logger = logging.getLogger(__name__)
 
@@ -372,7 +372,7 @@ class _GRPOPart:
         metrics = self._metrics["train"]
         return {k: len(metrics[k]) for k in (*mean_keys(self.beta), *CLIP_EXTREMES)}
 
-    def odc_after_bundle(self, snapshot) -> None:
+    def odc_after_bundle(self, snapshot, bundle) -> None:
         """Replace what TRL's ``_compute_loss`` appended per ODC microbatch by its per-slice values (one gather)."""
         local = self.odc_slice_metrics.vector().to(self.accelerator.device)
         every = self.accelerator.gather(local.unsqueeze(0)).reshape(self.accelerator.num_processes, -1).cpu()

@@ -1,7 +1,8 @@
 """Checks of the training data the ODC trainers run before training, each raising with the numbers and the fix.
 
-They run where the data enters (``ODCMixin.get_train_dataloader``, before any step): an empty dataset, a dataset
-smaller than one global minibatch that ``dataloader_drop_last`` would drop whole (the Trainer would then run zero
+They run where the data enters (``ODCMixin.get_train_dataloader``, before any step; the emptiness check also in the
+trainer's ``__init__``, before TRL reads the first row): an empty dataset, a dataset with no sample longer than one
+token (nothing to train on), a dataset smaller than one global minibatch that ``dataloader_drop_last`` would drop whole (the Trainer would then run zero
 steps), and samples longer than the token budget.
 """
 
@@ -32,12 +33,35 @@ def train_lengths(dataset) -> list[int]:
         )
     if "input_ids" not in getattr(dataset, "column_names", ["input_ids"]):
         raise ValueError("odc_hf needs a tokenized dataset with an 'input_ids' column")
-    if len(dataset) == 0:
+    check_not_empty(dataset)
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    check_something_to_train(lengths)
+    return lengths
+
+
+EMPTY_DATASET = (
+    "train_dataset is empty (0 samples): check the data loading and filtering before training (TRL drops samples "
+    "that are fully masked or empty after tokenisation)"
+)
+
+
+def check_not_empty(dataset) -> None:
+    """An empty training dataset is an error saying so. Called before TRL's trainers see it too: SFTTrainer's
+    ``__init__`` reads the first row, and an empty dataset ended there in a bare ``StopIteration``."""
+    if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
+        raise ValueError(EMPTY_DATASET)
+
+
+def check_something_to_train(lengths: list[int]) -> None:
+    """Samples that tokenized to nothing, or to a single token, hold no next-token target: if every sample is such,
+    training has nothing to learn from (every step's loss would be 0.0, with no gradient). Refuse it, naming the data
+    as the cause (the token budget, derived from the longest sample, would otherwise be reported as 0)."""
+    if lengths and max(lengths) <= 1:
         raise ValueError(
-            "train_dataset is empty (0 samples): check the data loading and filtering before training (TRL drops "
-            "samples that are fully masked or empty after tokenisation)"
+            f"every one of the {len(lengths)} training samples tokenized to {max(lengths)} token(s) or fewer, so there "
+            "is no next-token target to train on: the text column is empty (or holds only whitespace / special "
+            "tokens). Check the dataset's text field (SFTConfig.dataset_text_field) and its formatting"
         )
-    return [len(ids) for ids in dataset["input_ids"]]
 
 
 def check_minibatch_fits(num_samples: int, *, per_device: int, accumulation: int, world: int, drop_last: bool) -> None:
@@ -75,3 +99,14 @@ def check_budget(lengths: list[int], budget: int, *, truncate: bool, is_main_pro
             "%d); their tokens beyond the budget are not trained on", len(too_long), len(lengths), budget,
             max(too_long),
         )  # fmt: skip
+
+
+def warn_no_label_tokens(step: int, mask_keys: tuple[str, ...]) -> None:
+    """A step whose minibatch holds no label token trains nothing (loss 0.0, zero gradient): a warning naming the
+    step and the likely causes. Not an error: a TRL user's run with an occasional fully masked minibatch (completion-
+    or assistant-only loss on short answers) goes on, as TRL's own would; every step warning means the data is wrong."""
+    logger.warning(
+        "odc_hf: step %d has no label tokens in its whole minibatch (every rank): its loss is 0.0 and it trains "
+        "nothing. Check the data: empty texts, or every target masked%s", step,
+        f" by {', '.join(mask_keys)} (completion_only_loss / assistant_only_loss)" if mask_keys else "",
+    )  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import logging
 import time
@@ -39,9 +40,16 @@ from odc_hf.integrations.attention_setup import choose_attention, prepare_attent
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
 from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
 from odc_hf.integrations.failures import failure_guard
+from odc_hf.integrations.launch_config import check_fsdp_config
 from odc_hf.integrations.plugin import as_odc_plugin, refuse_other_engines
 from odc_hf.integrations.stats import MicrobatchClock, RunStats, StepStats, document_lengths, plot_timeline
-from odc_hf.integrations.train_data import check_budget, check_minibatch_fits, train_lengths
+from odc_hf.integrations.train_data import (
+    check_budget,
+    check_minibatch_fits,
+    check_not_empty,
+    train_lengths,
+    warn_no_label_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +98,7 @@ class ODCMixin:
     ``compute_path``). ``make_odc_trainer`` classes do; GRPO keeps TRL's own."""
 
     def __init__(self, *args, odc_config: ODCConfig | None = None, **kwargs):
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        training_args = self._odc_argument("args", args, kwargs)  # GRPO's is 3rd, not 2nd
         # before the base trainer's first barrier (TRL prepares its dataset "main process first")
         check_cpu_ranks_have_no_gpu_to_pick(use_cpu=bool(getattr(training_args, "use_cpu", False)))
         if odc_config is None:  # trainer arguments' odc_* fields, then ODC_* variables, then defaults
@@ -103,11 +111,21 @@ class ODCMixin:
         self.odc_attention_warm_up: dict | None = None  # {"kind", "shapes", "seconds", "dtype"} once a warm-up ran
         self.odc_attention: dict | None = None  # {"choice", "implementation", "reason"}: ODCConfig.attention resolved
         self.odc_compute: compute_path.ComputePath | None = None
+        # before the base trainer reads the first row (TRL's SFTTrainer: a bare StopIteration on an empty dataset)
+        check_not_empty(self._odc_argument("train_dataset", args, kwargs))
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
         self.odc_attention = choose_attention(self)
         if self.odc_compute_path:
             self.odc_compute = compute_path.setup(self)
+
+    def _odc_argument(self, name: str, args: tuple, kwargs: dict):
+        """The base trainer's ``name`` argument as this call passes it (by keyword or by position), else ``None``."""
+        try:
+            bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
+        except TypeError:  # the base trainer will report the bad call itself
+            return None
+        return bound.arguments.get(name)
 
     def odc_base_fused_head(self) -> bool:
         """Hook: True where the base trainer's ``compute_loss`` runs TRL's fused LM head itself (SFTTrainer)."""
@@ -141,6 +159,7 @@ class ODCMixin:
         # Gradients are SUMS over ranks under ODC; the loss is already divided by the global token count.
         args.average_tokens_across_devices = False
         check_launch_before_accelerate()
+        check_fsdp_config(args.fsdp_config, "the training arguments' fsdp_config")
         self.odc_plugin = None
         # HSDP on a CPU host: accelerate refuses a ParallelismConfig there; odc_hf builds its mesh (parallelism.py)
         held = parallelism.take(args.parallelism_config, cpu=args.use_cpu)
@@ -254,6 +273,8 @@ class ODCMixin:
         total = (
             self.accelerator.reduce(local, reduction="sum") if self.accelerator.num_processes > 1 else local
         )
+        if total.item() == 0 and self.accelerator.is_main_process:
+            warn_no_label_tokens(self.state.global_step + 1, self.odc_mask_keys())
         return [bundle], total.clamp(min=1)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -292,10 +313,11 @@ class ODCMixin:
         if self.odc is not None:
             self.odc.finish_minibatch(inputs.label_tokens)
         wait = time.perf_counter() - start - busy
-        self._odc_record(busy, wait, inputs)
-        self.odc_after_bundle(snapshot)
-        # Trainer logs the mean over ranks of what we return: scale so that it is the global loss.
-        return loss_sum * self.accelerator.num_processes
+        global_loss = self._odc_record(busy, wait, inputs, loss_sum)
+        self.odc_after_bundle(snapshot, inputs)
+        # The step's loss over every rank, returned on every rank: the Trainer's logged loss (a mean over ranks of
+        # what the ranks return) and its final train_loss (which adds rank 0's own unlogged remainder) both read it.
+        return global_loss
 
     ODC_MAX_TIMINGS = 20_000
     """Microbatch timings kept per rank for ``odc_microbatch_timings.json`` (the most recent)."""
@@ -305,18 +327,25 @@ class ODCMixin:
     def _odc_time_microbatches(self) -> bool:
         return self.odc is not None and self.state.global_step >= self.ODC_TIMING_WARMUP_STEPS
 
-    def _odc_record(self, busy: float, wait: float, bundle: Bundle) -> None:
-        row = torch.tensor([busy, wait, len(bundle.microbatches), bundle.input_tokens], dtype=torch.float64,
-                           device=self.accelerator.device)  # fmt: skip
+    def _odc_record(self, busy: float, wait: float, bundle: Bundle, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Gather every rank's step statistics and loss (the step's one gather); returns the step's global loss.
+
+        Each microbatch loss is already divided by the global label-token count, so the ranks' sums add up to the
+        step's loss. It rides on the statistics' gather: no collective of its own."""
+        row = torch.tensor([busy, wait, len(bundle.microbatches), bundle.input_tokens, float(loss_sum)],
+                           dtype=torch.float64, device=self.accelerator.device)  # fmt: skip
         rows = self.accelerator.gather(row) if self.accelerator.num_processes > 1 else row
-        self.odc_stats.add(StepStats.from_gathered(rows))
+        rows = rows.reshape(-1, 5)
+        self.odc_stats.add(StepStats.from_gathered(rows[:, :4]))
+        return rows[:, 4].sum().to(loss_sum.dtype)
 
     def odc_before_bundle(self):
         """Hook: state to aggregate per-microbatch metrics once per step (see ODCSFTTrainer)."""
         return None
 
-    def odc_after_bundle(self, snapshot) -> None:
-        """Hook: aggregate what ``odc_before_bundle`` snapshotted; runs once per step on every rank."""
+    def odc_after_bundle(self, snapshot, bundle: Bundle) -> None:
+        """Hook: aggregate what ``odc_before_bundle`` snapshotted; runs once per step on every rank, with the step's
+        bundle (this rank's microbatches, each with its ``num_label_tokens``)."""
 
     def floating_point_ops(self, inputs) -> int:
         if isinstance(inputs, Bundle):
@@ -327,7 +356,25 @@ class ODCMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """On GPUs accelerate's FSDP2 path saves; on the CPU path (sharded by odc_hf) gather a full state dict
         on every rank (a collective) and write from the main process what the Trainer writes: the model, the
-        processing class and ``training_args.bin``."""
+        processing class and ``training_args.bin`` (with the user's ``gradient_accumulation_steps``: see
+        :meth:`_odc_users_arguments`)."""
+        with self._odc_users_arguments():
+            self._odc_save_model(output_dir, _internal_call)
+
+    @contextlib.contextmanager
+    def _odc_users_arguments(self):
+        """The training arguments as the user set them while they are written out (``training_args.bin``, by this
+        class or by ``Trainer._save``): the Trainer runs with ``gradient_accumulation_steps=1`` (the accumulation is
+        folded into each step's bundle), but a reader of the file (a resumed run, model-card tools) must see the
+        user's value. Nothing reads the setting while a model is saved."""
+        folded = self.args.gradient_accumulation_steps
+        self.args.gradient_accumulation_steps = self.odc_folded_accumulation
+        try:
+            yield
+        finally:
+            self.args.gradient_accumulation_steps = folded
+
+    def _odc_save_model(self, output_dir: str | None, _internal_call: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         from transformers.trainer import TRAINING_ARGS_NAME
 
@@ -431,6 +478,8 @@ class ODCMixin:
         summary = self.odc_stats.total()
         if not summary or not self.accelerator.is_main_process:
             return
+        if self.odc is None:  # collectives: the bubble is hidden inside FSDP's collectives (see log())
+            summary = {k: v for k, v in summary.items() if k not in ("odc/bubble_rate", "odc/wait_s_mean")}
         self.odc_summary = summary
         if self.odc_config.log_timeline:
             title = f"ODC per-rank timeline ({(self.odc_attention or {}).get('implementation')} attention)"

@@ -12,52 +12,41 @@ from __future__ import annotations
 import sys
 
 import torch
-from packaging.version import Version
 
 from odc_hf.integrations.trainer import make_odc_trainer
+from odc_hf.integrations.trl_version import TESTED_TRL, check_trl  # re-exported: the policy's old home
 
-# The one TRL version policy of odc_hf: its TRL trainers run only on the TRL minor versions they were tested on.
-# Both read private TRL names (SFT: ``_metrics`` and ``_total_train_tokens``, re-aggregated once per step; GRPO:
-# ``_generate_and_score_completions``, ``_get_train_sampler``, ``_metrics`` and the batch keys and loss normalisers of
-# ``_compute_loss``). A name that disappears can be detected, one whose meaning changes cannot: it would give wrong
-# losses or metrics without an error. So another minor is refused with a message saying what to install; add it
-# here once tests/test_grpo_trl_surface.py and the parity tests (tests/test_*parity.py) pass on it.
-TESTED_TRL = ("1.16",)
 _AVERAGED = ("entropy", "mean_token_accuracy", "aux_loss")
-
-
-def check_trl(trainer, trainer_name: str, *, methods=(), attributes=()) -> None:
-    """Refuse a TRL outside :data:`TESTED_TRL`, or a trainer lacking the private ``methods`` / ``attributes`` odc_hf
-    reads, with a message saying what to install."""
-    import trl
-
-    version = Version(trl.__version__)
-    if f"{version.major}.{version.minor}" not in TESTED_TRL:
-        raise RuntimeError(
-            f"{trainer_name} reads private parts of TRL's trainers and was written for trl {TESTED_TRL}; found trl "
-            f"{trl.__version__}. Install trl=={TESTED_TRL[-1]}.* (or test odc_hf on this TRL and add it to "
-            "TESTED_TRL in odc_hf/integrations/trl.py)"
-        )
-    missing = [n for n in methods if not callable(getattr(trainer, n, None))]
-    missing += [n for n in attributes if not hasattr(trainer, n)]
-    if missing:
-        raise RuntimeError(f"trl {trl.__version__}: {trainer_name} lacks {missing}; odc_hf was tested on trl {TESTED_TRL}")
+_TOKEN_WEIGHTED = ("entropy", "mean_token_accuracy")  # ratios over a step's label tokens in TRL
 
 
 class _SFTMetrics:
-    """Once-per-step aggregation of TRL SFT metrics that ``compute_loss`` recorded per local microbatch."""
+    """Once-per-step aggregation of TRL SFT metrics that ``compute_loss`` recorded per local microbatch.
+
+    TRL computes ``entropy`` and ``mean_token_accuracy`` of a step over all its label tokens (sums over the batch,
+    divided by its label-token count). Its per-microbatch values here are ratios over each microbatch's label tokens,
+    so each is weighted by that count (``num_label_tokens``) to rebuild the step's ratio; a microbatch without label
+    tokens (TRL records 0.0 for it) weighs nothing. ``aux_loss`` is a plain mean, as in TRL.
+    """
 
     def odc_before_bundle(self):
         metrics = self._metrics["train"]
         return {k: len(metrics[k]) if k in metrics else 0 for k in _AVERAGED}, self._total_train_tokens
 
-    def odc_after_bundle(self, snapshot) -> None:
+    def odc_after_bundle(self, snapshot, bundle) -> None:
         lengths, tokens_before = snapshot
         metrics = self._metrics["train"]
+        label_tokens = [float(mb["num_label_tokens"]) for mb in bundle.microbatches]
         values = []
         for key in _AVERAGED:
             new = metrics[key][lengths[key] :] if key in metrics else []
-            values += [float(sum(new)), float(len(new))]
+            if key in _TOKEN_WEIGHTED and new:
+                if len(new) != len(label_tokens):
+                    raise RuntimeError(f"odc_hf: TRL recorded {len(new)} {key} values for {len(label_tokens)} "
+                                       f"microbatches; expected one per microbatch (trl {TESTED_TRL})")  # fmt: skip
+                values += [sum(v * n for v, n in zip(new, label_tokens)), sum(label_tokens)]
+            else:
+                values += [float(sum(new)), float(len(new))]
         values.append(float(self._total_train_tokens - tokens_before))
         vector = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
@@ -66,7 +55,7 @@ class _SFTMetrics:
         for i, key in enumerate(_AVERAGED):
             if key in metrics:
                 del metrics[key][lengths[key] :]
-            if vector[2 * i + 1] > 0:  # mean over every microbatch of every rank
+            if vector[2 * i + 1] > 0:  # over every label token (or microbatch) of every rank
                 metrics[key].append(vector[2 * i] / vector[2 * i + 1])
         self._total_train_tokens = tokens_before + int(vector[-1])
         metrics["num_tokens"] = [self._total_train_tokens]
