@@ -226,11 +226,16 @@ class ODCMixin:
         return MASK_KEYS
 
     # -- failure reporting -------------------------------------------------------------------------
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """``Trainer.train`` under :func:`odc_hf.failure_guard`: an exception anywhere in a step (microbatches,
-        clipping, optimizer step, logging, evaluation, saving) reaches every peer within a second, with its text."""
+        clipping, optimizer step, logging, evaluation, saving) reaches every peer within a second, with its text.
+        A checkpoint to resume from is checked first (:mod:`odc_hf.integrations.resume`)."""
+        from odc_hf.integrations.resume import check_resume
+
+        if isinstance(resume_from_checkpoint, str):
+            check_resume(self, resume_from_checkpoint)
         with failure_guard(lambda: self.odc):
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
         with failure_guard(lambda: self.odc):
@@ -351,7 +356,8 @@ class ODCMixin:
 
         return self.accelerator.distributed_type != DistributedType.FSDP and is_sharded(self.model)
 
-    # Private Trainer methods, overridden for the CPU path only (see odc_hf/integrations/checkpoint.py).
+    # Private Trainer methods (TRAINER_HOOKS in odc_hf/integrations/checkpoint.py; the optimizer's own format on the
+    # CPU path only).
     def _save_optimizer_and_scheduler(self, output_dir):
         if not self._odc_self_sharded():
             return super()._save_optimizer_and_scheduler(output_dir)
@@ -360,14 +366,24 @@ class ODCMixin:
         save_optimizer_and_scheduler(self, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        from odc_hf.integrations.checkpoint import load_optimizer_and_scheduler
+        from odc_hf.integrations.checkpoint import check_trainer_optimizer, load_optimizer_and_scheduler
 
-        if (
-            checkpoint is None
-            or not self._odc_self_sharded()
-            or not load_optimizer_and_scheduler(self, checkpoint)
-        ):
+        if checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        if self._odc_self_sharded():
+            return load_optimizer_and_scheduler(self, checkpoint)
+        check_trainer_optimizer(checkpoint, scheduler=self.lr_scheduler is not None)  # the Trainer skips silently
+        return super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _issue_warnings_after_load(self, load_result):
+        # A tied copy (lm_head.weight sharing the embedding) is never saved, so every correct checkpoint "misses" it:
+        # warn only about keys that are really missing.
+        from odc_hf.integrations.checkpoint import missing_tied_keys
+
+        if hasattr(load_result, "_replace"):  # torch's _IncompatibleKeys (a namedtuple)
+            tied = missing_tied_keys(self.accelerator.unwrap_model(self.model), load_result.missing_keys)
+            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
+        return super()._issue_warnings_after_load(load_result)
 
     # -- observability -----------------------------------------------------------------------------
     def log(self, logs, *args, **kwargs):
