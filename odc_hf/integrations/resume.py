@@ -1,18 +1,39 @@
-"""Resuming the ODC trainers from a checkpoint: what a checkpoint must hold, checked before anything is built.
+"""Resuming the ODC trainers from a checkpoint: complete checkpoints only, checked before anything is built.
 
-``ODCMixin.train(resume_from_checkpoint=...)`` calls :func:`check_resume` on every rank before the Trainer loads
+**Complete checkpoints.** A save writes many files from every rank (the model from the main process, one optimizer
+shard per rank, RNG states, the trainer state); a job killed in the middle leaves a ``checkpoint-N`` folder that
+looks like a checkpoint. transformers 5.17 and 5.24 write straight into ``checkpoint-N`` and
+``resume_from_checkpoint=True`` takes the highest-numbered folder whatever it holds. (4.36 staged saves in
+``tmp-checkpoint-N`` and renamed the folder at the end; the rename raced between the ranks and nodes writing into it,
+transformers issues 27925, 28364 and 28848, and 5.x no longer stages.) So the ODC trainers keep transformers' layout
+and add a completion marker, :data:`MARKER`, written atomically (temp
+file, then rename) by the main process after every rank has finished every part; it also records the run's layout
+(world size, mesh, samples per optimizer step). A save first removes an older marker from its folder, and rotation
+(``save_total_limit``) runs only after the new marker is down, so the previous checkpoint stays until a newer one is
+complete. Resuming takes the last marked checkpoint (``True``) or refuses an unmarked one (a path).
+
+``ODCMixin.train(resume_from_checkpoint=...)`` calls :func:`resolve` on every rank before the Trainer loads
 anything: the checks read files only, so every rank raises the same error before any collective (a missing part
 found later, inside the Trainer's loading, would leave the other ranks waiting in a collective).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 
 from accelerate.utils import DistributedType
 from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from odc_hf.integrations.checkpoint import CheckpointPartMissing, check_sharded_parts
+
+logger = logging.getLogger(__name__)
+
+MARKER = "odc_checkpoint.json"
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # transformers' own pattern (trainer_utils)
 
 
 def shards_itself(trainer) -> bool:
@@ -22,10 +43,92 @@ def shards_itself(trainer) -> bool:
     return accelerator.distributed_type != DistributedType.FSDP and accelerator.num_processes > 1
 
 
-def check_resume(trainer, checkpoint: str) -> None:
+def layout(trainer) -> dict:
+    """What the marker records of the run that wrote the checkpoint (and what resuming compares with)."""
+    mesh = getattr(trainer.accelerator, "torch_device_mesh", None)
+    return {
+        "world_size": trainer.accelerator.num_processes,
+        "mesh": list(mesh.shape) if mesh is not None else [trainer.accelerator.num_processes],
+        "global_batch_size": trainer.odc_global_batch_size,
+    }
+
+
+# -- saving --------------------------------------------------------------------------------------------------------
+def unmark(checkpoint: str) -> None:
+    """Before (re)writing ``checkpoint``: it is incomplete until :func:`mark_complete` says otherwise."""
+    try:
+        os.remove(os.path.join(checkpoint, MARKER))
+    except FileNotFoundError:
+        pass
+
+
+def mark_complete(trainer, checkpoint: str) -> None:
+    """After every rank finished every part of ``checkpoint`` (main process only): write the marker atomically."""
+    record = {"global_step": trainer.state.global_step, **layout(trainer)}
+    temporary = os.path.join(checkpoint, f".{MARKER}.tmp")
+    with open(temporary, "w") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, os.path.join(checkpoint, MARKER))
+
+
+# -- resuming ------------------------------------------------------------------------------------------------------
+def read_marker(checkpoint: str) -> dict | None:
+    try:
+        with open(os.path.join(checkpoint, MARKER)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    """``checkpoint-N`` folders of ``output_dir``, by step."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT.match(name))]
+    return [os.path.join(output_dir, name) for _, name in sorted(found) if os.path.isdir(os.path.join(output_dir, name))]
+
+
+def last_complete(output_dir: str) -> str | None:
+    complete = [c for c in checkpoints(output_dir) if read_marker(c) is not None]
+    return complete[-1] if complete else None
+
+
+def resolve(trainer, resume_from_checkpoint):
+    """The checkpoint to resume from: ``True`` -> the last complete one in the output directory; a path -> itself,
+    if complete and holding every part the run needs. Raises, naming the part and the checkpoint, otherwise."""
+    if resume_from_checkpoint is True:
+        found = checkpoints(trainer.args.output_dir)
+        if not found:
+            return True  # the Trainer's own "No valid checkpoint found in output directory"
+        chosen = last_complete(trainer.args.output_dir)
+        skipped = found[found.index(chosen) + 1 :] if chosen else found
+        if skipped and trainer.accelerator.is_main_process:
+            logger.warning(
+                "odc_hf: skipping %s: no %s, so the save did not finish (the job stopped while writing it)",
+                ", ".join(os.path.basename(s) for s in skipped), MARKER,
+            )  # fmt: skip
+        if chosen is None:
+            raise CheckpointPartMissing(found[-1], MARKER, "written last, once every rank has saved every part",
+                                        f"is missing in every checkpoint of {trainer.args.output_dir}")  # fmt: skip
+        resume_from_checkpoint = chosen
+    check_parts(trainer, resume_from_checkpoint)
+    return resume_from_checkpoint
+
+
+def check_parts(trainer, checkpoint: str) -> None:
     """Raise, naming the part and the checkpoint, when ``checkpoint`` lacks something the resumed run needs."""
     if not os.path.isdir(checkpoint):
         raise FileNotFoundError(f"resume_from_checkpoint={checkpoint!r}: no such checkpoint directory")
+    if read_marker(checkpoint) is None:
+        last = last_complete(os.path.dirname(os.path.abspath(checkpoint)))
+        raise CheckpointPartMissing(
+            checkpoint, MARKER, "written last, once every rank has saved every part",
+            "is missing: its save did not finish (the job stopped while writing it), or another trainer or an older "
+            f"odc_hf wrote it (if you know it is complete, write {{}} into {MARKER} there). The last complete "
+            f"checkpoint beside it is {last}",
+        )  # fmt: skip
     if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE_NAME)):
         # the Trainer would restart at step 0 with the checkpoint's weights, from the first sample
         raise CheckpointPartMissing(checkpoint, TRAINER_STATE_NAME, "the step, epoch and log to continue from")

@@ -148,6 +148,8 @@ class ODCMixin:
                 "its accelerator through Trainer._build_accelerator_args, where odc_hf gives it its ODCFSDPPlugin"
             )
         adopt(self.accelerator, self.odc_plugin, parallelism_config=held)
+        self.odc_global_batch_size = self.odc_minibatch_per_rank * self.accelerator.num_processes
+        """Samples per optimizer step, all ranks together (the global minibatch)."""
 
     def _build_accelerator_args(self, **kwargs):
         # The one way ODC's options reach an accelerator: an ODCFSDPPlugin (odc_hf/integrations/plugin.py), here the
@@ -230,10 +232,10 @@ class ODCMixin:
         """``Trainer.train`` under :func:`odc_hf.failure_guard`: an exception anywhere in a step (microbatches,
         clipping, optimizer step, logging, evaluation, saving) reaches every peer within a second, with its text.
         A checkpoint to resume from is checked first (:mod:`odc_hf.integrations.resume`)."""
-        from odc_hf.integrations.resume import check_resume
+        from odc_hf.integrations import resume
 
-        if isinstance(resume_from_checkpoint, str):
-            check_resume(self, resume_from_checkpoint)
+        if resume_from_checkpoint:  # True: the last COMPLETE checkpoint of the output directory
+            resume_from_checkpoint = resume.resolve(self, resume_from_checkpoint)
         with failure_guard(lambda: self.odc):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -355,6 +357,31 @@ class ODCMixin:
         from accelerate.utils import DistributedType
 
         return self.accelerator.distributed_type != DistributedType.FSDP and is_sharded(self.model)
+
+    def _save_checkpoint(self, model, trial):
+        """The Trainer's save, then a completion marker once every rank has written every part, then the rotation of
+        old checkpoints (``save_total_limit``): a job killed while saving leaves the previous checkpoint loadable,
+        and ``resume_from_checkpoint=True`` takes the last complete one (:mod:`odc_hf.integrations.resume`)."""
+        import os
+
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        from odc_hf.integrations import resume
+
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            resume.unmark(checkpoint)  # overwriting an older save of this step: incomplete until marked again
+        limit, self.args.save_total_limit = self.args.save_total_limit, None  # self.args is odc_hf's copy
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()  # every rank's parts are on disk
+        if self.args.should_save:
+            resume.mark_complete(self, checkpoint)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)  # fmt: skip
 
     # Private Trainer methods (TRAINER_HOOKS in odc_hf/integrations/checkpoint.py; the optimizer's own format on the
     # CPU path only).
