@@ -60,6 +60,10 @@ class ODCArguments:
     odc_kernels: str | None = field(default=None, metadata={"help": (
         "ODC: Liger's Triton layer kernels: auto (when liger-kernel is installed and training runs on CUDA), "
         "liger (required), none (default auto)")})  # fmt: skip
+    odc_global_batch_size: int | None = field(default=None, metadata={"help": (
+        "ODC: samples per optimizer step, all ranks together; unset: per_device_train_batch_size x "
+        "gradient_accumulation_steps x processes. Set it to resume on a different number of GPUs with the same "
+        "batch (SFT / Trainer only)")})  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -134,3 +134,38 @@ def check_parts(trainer, checkpoint: str) -> None:
         raise CheckpointPartMissing(checkpoint, TRAINER_STATE_NAME, "the step, epoch and log to continue from")
     if shards_itself(trainer):
         check_sharded_parts(checkpoint, scheduler=True)  # the Trainer always builds a scheduler
+    check_layout(trainer, checkpoint, read_marker(checkpoint))
+
+
+def check_layout(trainer, checkpoint: str, saved: dict) -> None:
+    """Another number of ranks is fine (DCP reshards the optimizer, the sampler plans every step for this world,
+    and which samples form a step depends on the seed and the global batch only); another global batch is not: every
+    step after the checkpoint would be another step than the run's, so it is refused, saying how to keep it."""
+    if not saved:  # {} written by hand into a foreign checkpoint: nothing to compare with
+        return
+    saved_batch, saved_world = saved["global_batch_size"], saved["world_size"]
+    batch, world = trainer.odc_global_batch_size, trainer.accelerator.num_processes
+    if batch != saved_batch:
+        if trainer.odc_config.global_batch_size is not None:
+            ours = f"global_batch_size={batch}"
+        else:
+            ours = (f"per_device_train_batch_size {trainer.args.per_device_train_batch_size} x "
+                    f"gradient_accumulation_steps {trainer.odc_folded_accumulation} x {world} processes")  # fmt: skip
+        if trainer.odc_global_batch_option:
+            keep = (f"set global_batch_size={saved_batch} (ODCConfig(global_batch_size={saved_batch}), "
+                    f"--odc_global_batch_size {saved_batch} or ODC_GLOBAL_BATCH_SIZE={saved_batch})")  # fmt: skip
+        else:
+            keep = f"make per_device_train_batch_size x gradient_accumulation_steps x processes {saved_batch} again"
+        moved = f"; on {world} ranks instead of {saved_world}," if world != saved_world else "; "
+        raise ValueError(
+            f"checkpoint {checkpoint} was trained with {saved_batch} samples per optimizer step on {saved_world} "
+            f"ranks{moved} this run's settings give {batch} ({ours}). Resuming would silently change the run (every "
+            f"later step would draw other samples). To continue the run with its batch, {keep}; to train on with "
+            f"another batch, start a new run from the checkpoint's weights (model_name_or_path={checkpoint})"
+        )
+    if (world, saved.get("mesh")) != (saved_world, layout(trainer)["mesh"]) and trainer.accelerator.is_main_process:
+        logger.info(
+            "odc_hf: resuming %s, written by %d ranks (mesh %s), on %d ranks (mesh %s): the global batch stays %d "
+            "samples per optimizer step, the optimizer state is resharded and every step is planned for %d ranks",
+            checkpoint, saved_world, saved.get("mesh"), world, layout(trainer)["mesh"], batch, world,
+        )  # fmt: skip

@@ -119,9 +119,18 @@ class ODCMixin:
     subclass (overriding ``plan(step)``, say) on your trainer class to plan differently; every rank must get the same
     plans from the same arguments, without communicating."""
 
+    odc_global_batch_option = True
+    """Whether ``ODCConfig.global_batch_size`` can set this trainer's samples per optimizer step."""
+
     # -- setup -------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
         self.args = args = copy.copy(self.args)  # the user's object stays as they made it
+        if self.odc_config.global_batch_size is not None and not self.odc_global_batch_option:
+            raise ValueError(
+                f"{type(self).__name__} sizes its batch from its own arguments (per_device_train_batch_size, "
+                "gradient_accumulation_steps, ...): leave ODCConfig.global_batch_size (--odc_global_batch_size, "
+                "ODC_GLOBAL_BATCH_SIZE) unset"
+            )
         self.odc_minibatch_per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
         if args.gradient_accumulation_steps != 1:
             logger.info(
@@ -148,8 +157,16 @@ class ODCMixin:
                 "its accelerator through Trainer._build_accelerator_args, where odc_hf gives it its ODCFSDPPlugin"
             )
         adopt(self.accelerator, self.odc_plugin, parallelism_config=held)
-        self.odc_global_batch_size = self.odc_minibatch_per_rank * self.accelerator.num_processes
+        from_arguments = self.odc_minibatch_per_rank * self.accelerator.num_processes
+        self.odc_global_batch_size = self.odc_config.global_batch_size or from_arguments
         """Samples per optimizer step, all ranks together (the global minibatch)."""
+        if self.odc_global_batch_size != from_arguments and self.accelerator.is_main_process:
+            logger.info(
+                "odc_hf: global_batch_size=%d samples per optimizer step (per_device_train_batch_size %d x "
+                "gradient_accumulation_steps %d x %d processes = %d is not used)", self.odc_global_batch_size,
+                args.per_device_train_batch_size, self.odc_folded_accumulation, self.accelerator.num_processes,
+                from_arguments,
+            )  # fmt: skip
 
     def _build_accelerator_args(self, **kwargs):
         # The one way ODC's options reach an accelerator: an ODCFSDPPlugin (odc_hf/integrations/plugin.py), here the
@@ -163,6 +180,8 @@ class ODCMixin:
         """Samples per optimizer step, all ranks together: the Trainer's figure (per device x accumulation x data
         parallel ranks) times the gradient accumulation ODC folded into each bundle (the Trainer runs with 1), so that
         ``train_samples_per_second`` and the "Total train batch size" line count the samples really trained."""
+        if getattr(self, "odc_global_batch_size", None):
+            return self.odc_global_batch_size
         return super().get_total_train_batch_size(args) * getattr(self, "odc_folded_accumulation", 1)
 
     @property
@@ -195,7 +214,8 @@ class ODCMixin:
         # The data-parallel world is every process, HSDP's replicas included: each rank plans its own share.
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         check_minibatch_fits(len(lengths), per_device=self.args.per_device_train_batch_size, world=world,
-                             accumulation=self.odc_folded_accumulation, drop_last=self.args.dataloader_drop_last)  # fmt: skip
+                             accumulation=self.odc_folded_accumulation, drop_last=self.args.dataloader_drop_last,
+                             global_batch_size=self.odc_config.global_batch_size)  # fmt: skip
         # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
         # layout, one packed row (docs/configuration.md), i.e. the longest sample.
         budget = self.odc_config.max_tokens_per_microbatch or max(lengths)
@@ -204,7 +224,7 @@ class ODCMixin:
         if self.odc_compute is not None:
             compute_path.plan(self, budget)  # activation checkpointing for this budget, before prepare()
         sampler = self.odc_sampler_class(
-            lengths, world_size=world, rank=rank, minibatch_size=self.odc_minibatch_per_rank * world,
+            lengths, world_size=world, rank=rank, minibatch_size=self.odc_global_batch_size,
             max_tokens_per_microbatch=budget, mode=self.odc_config.balance, cost_model=self._odc_cost_model(),
             seed=self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last,
             truncate=self.odc_config.truncate,
