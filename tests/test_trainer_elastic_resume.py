@@ -1,7 +1,8 @@
 """Resume on a different number of ranks (CPU, gloo; ODCSFTTrainer on forked ranks, tests/resume_runs.py).
 
 A checkpoint written at step 3 by N ranks resumes on M ranks with the same global batch (8 samples per optimizer
-step): 2 -> 3, 3 -> 2, 4 -> 2, HSDP 2 x 2 -> 3 (one shard group of 3) and 2 x 2 -> 2. The resumed steps 4-5 must
+step): 2 -> 3, 3 -> 2, 4 -> 2, HSDP 2 x 2 -> 3 (one shard group of 3), 2 x 2 -> 2, and 2 -> 1 (one process, which
+loads the sharded optimizer unsharded). The resumed steps 4-5 must
 equal the uninterrupted N-rank run's. Step 4 is the epoch's last minibatch, ONE sample (25 samples, 8 per step,
 dataloader_drop_last=False), so in the first resumed step LB-Mini gives all ranks but one zero microbatches (asserted
 from the counts the trainer recorded); step 5 starts the second epoch (its shuffle) with uneven counts. What has to
@@ -14,7 +15,7 @@ Refused, before anything is built: resuming where the user's settings change the
 ranks (``per_device_train_batch_size=2`` on 2 ranks: 4 samples per step instead of 8), and a checkpoint without one
 rank's optimizer shard.
 
-Launches: 4 groups of forked ranks (2, 4, 3, 2), several trainers one after another in each.
+Launches: 5 groups of forked ranks (2, 4, 3, 2, 1), several trainers one after another in each.
 """
 
 from __future__ import annotations
@@ -64,11 +65,13 @@ def runs(tmp_path_factory):
         (path / "no_shard_out", {**RESUMING, "resume": str(no_shard)}),
     )[0]  # fmt: skip
     done["3to2"], done["4to2"], done["hsdp_to_2"], done["batch_changes"], done["no_shard"] = first_of_2
+    (done["2to1"],), = train_ranks(1, (path / "2to1", {**RESUMING, "resume": ckpt["n2"]}))  # one process: no ODC
     done["paths"] = {"n3": ckpt["n3"], "no_shard": str(no_shard)}
     return done
 
 
-PAIRS = [("n2", "2to3", 3), ("n3", "3to2", 2), ("n4", "4to2", 2), ("hsdp", "hsdp_to_3", 3), ("hsdp", "hsdp_to_2", 2)]
+PAIRS = [("n2", "2to3", 3), ("n3", "3to2", 2), ("n4", "4to2", 2), ("hsdp", "hsdp_to_3", 3), ("hsdp", "hsdp_to_2", 2),
+         ("n2", "2to1", 1)]  # fmt: skip
 
 
 def test_uninterrupted_runs_agree_whatever_the_number_of_ranks(runs):
@@ -86,7 +89,7 @@ def test_uninterrupted_runs_agree_whatever_the_number_of_ranks(runs):
 def test_resumed_steps_equal_the_uninterrupted_run(runs, first, resumed, world):
     before, after = runs[first], runs[resumed]
     assert after["error"] is None, after["error"]
-    assert after["mesh"] == (world,), after["mesh"]
+    assert after["mesh"] == ((world,) if world > 1 else None), after["mesh"]  # one process is not sharded
     counts = after["microbatches"]  # per resumed step, each of the M ranks' microbatch count
     assert len(counts) == STEPS - SAVE_AT and all(len(c) == world for c in counts), counts
     # the first resumed minibatch: one sample, so one rank runs one microbatch and the others none

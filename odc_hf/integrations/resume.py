@@ -28,7 +28,7 @@ from accelerate.utils import DistributedType
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from odc_hf.integrations.checkpoint import CheckpointPartMissing, check_sharded_parts
+from odc_hf.integrations.checkpoint import OPTIMIZER_DIR, CheckpointPartMissing, check_sharded_parts
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +36,14 @@ MARKER = "odc_checkpoint.json"
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # transformers' own pattern (trainer_utils)
 
 
-def shards_itself(trainer) -> bool:
-    """Whether odc_hf (not accelerate) will shard the model (the CPU path), so its optimizer is saved as
-    ``odc_optimizer/`` (known before ``prepare``, unlike ``ODCMixin._odc_self_sharded``)."""
+def reads_sharded_optimizer(trainer, checkpoint: str) -> bool:
+    """Whether this run loads the optimizer from ``odc_optimizer/`` (torch.distributed.checkpoint): where odc_hf, not
+    accelerate, shards the model (the CPU path, known before ``prepare``), and in one process from a checkpoint of
+    several CPU ranks (DCP loads it unsharded)."""
     accelerator = trainer.accelerator
-    return accelerator.distributed_type != DistributedType.FSDP and accelerator.num_processes > 1
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return False
+    return accelerator.num_processes > 1 or os.path.isdir(os.path.join(checkpoint, OPTIMIZER_DIR))
 
 
 def layout(trainer) -> dict:
@@ -132,7 +135,7 @@ def check_parts(trainer, checkpoint: str) -> None:
     if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE_NAME)):
         # the Trainer would restart at step 0 with the checkpoint's weights, from the first sample
         raise CheckpointPartMissing(checkpoint, TRAINER_STATE_NAME, "the step, epoch and log to continue from")
-    if shards_itself(trainer):
+    if reads_sharded_optimizer(trainer, checkpoint):
         check_sharded_parts(checkpoint, scheduler=True)  # the Trainer always builds a scheduler
     check_layout(trainer, checkpoint, read_marker(checkpoint))
 

@@ -414,10 +414,11 @@ class ODCMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         from odc_hf.integrations.checkpoint import check_trainer_optimizer, load_optimizer_and_scheduler
+        from odc_hf.integrations.resume import reads_sharded_optimizer
 
         if checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if self._odc_self_sharded():
+        if self._odc_self_sharded() or reads_sharded_optimizer(self, checkpoint):
             return load_optimizer_and_scheduler(self, checkpoint)
         check_trainer_optimizer(checkpoint, scheduler=self.lr_scheduler is not None)  # the Trainer skips silently
         return super()._load_optimizer_and_scheduler(checkpoint)
