@@ -126,3 +126,19 @@ def test_global_batch_size_is_a_positive_integer_from_python_arguments_or_enviro
     for bad in (0, -8, 2.5, True):
         with pytest.raises(ValueError, match="global_batch_size must be a positive integer"):
             ODCConfig(global_batch_size=bad)
+
+
+def test_grpo_refuses_global_batch_size(tmp_path):
+    import datasets
+    from trl import GRPOConfig
+
+    from odc_hf import ODCConfig, ODCGRPOTrainer
+    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+
+    tokenizer = default_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, report_to="none",
+                      bf16=False, max_completion_length=8)  # fmt: skip
+    with pytest.raises(ValueError, match="ODCGRPOTrainer sizes its batch from its own arguments.*global_batch_size"):
+        ODCGRPOTrainer(model=tiny_qwen2_model(tokenizer), reward_funcs=lambda completions, **k: [0.0] * len(completions),
+                       args=args, train_dataset=datasets.Dataset.from_list([{"prompt": "1+1="}] * 8),
+                       processing_class=tokenizer, odc_config=ODCConfig(global_batch_size=8))  # fmt: skip
