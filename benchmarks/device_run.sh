@@ -8,7 +8,8 @@
 #   T: benchmarks/sft_e2e.py, 8 samples per rank for LongAlign-like and SWE-smith-like (B, D; ~7 min)
 #   G: benchmarks/grpo_e2e.py
 #   P: benchmarks/microbatch_probe.py (fixed microbatch layouts, accumulate-kernel grid cap, profiles)
-#   V: benchmarks/trainer_checks.py (SFT/GRPO trainer parity, resume, warm-up, GRPO generate; ~5 min)
+#   V: benchmarks/trainer_checks.py (SFT/GRPO trainer parity, resume, elastic resume 4 -> 2 GPUs, warm-up, GRPO
+#      generate; ~5 min; V_CHECKS=resume,elastic picks some)
 #   U: every GPU test of the suite (pytest -m gpu; transport/cuda.py needs 2 GPUs, see tests/README.md; ~4 min)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -69,7 +70,8 @@ if [ "$1" = G ]; then
   timeout ${G_LIMIT:-560} python3 benchmarks/grpo_e2e.py --out "$OUT" 2>&1 | tee "$OUT/grpo_e2e.log" | tail -30
 fi
 if [ "$1" = V ]; then
-  timeout ${V_LIMIT:-560} python3 benchmarks/trainer_checks.py --out "$OUT" --work /tmp/trainer_checks 2>&1 \
+  timeout ${V_LIMIT:-560} python3 benchmarks/trainer_checks.py ${V_CHECKS:+--checks $V_CHECKS} --out "$OUT" \
+    --work /tmp/trainer_checks 2>&1 \
     | tee "$OUT/trainer_checks.log" | grep "^|\| ran in "
 fi
 if [ "$1" = U ]; then

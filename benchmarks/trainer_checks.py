@@ -9,6 +9,8 @@ Checks (each runs the repository's examples in fresh processes and compares thei
   fp32, same global minibatches: per-step losses and gradient norms; on CUDA also whether the trainer planned the
   attention shapes (`trainer.odc_attention_warm_up`, bf16 run).
 - ``resume``: the ODC run saves at step 5; a second run resumes from that checkpoint: steps 6-10 again.
+- ``elastic`` (4 GPUs or more): an ODC run on 4 processes (4 samples each, 16 per step) saves at step 5; a run on 2
+  processes (8 each: the same 16 per step) resumes from that checkpoint: steps 6-10 equal the 4-process run's.
 - ``grpo``: `examples/grpo.py --fixed_rollouts`, ODCGRPOTrainer + LB-Mini vs TRL's GRPOTrainer (collectives),
   fp32, loss types dapo and grpo, KL reference model (beta 0.05): per-step losses and gradient norms.
 - ``grpo_generate``: ODCGRPOTrainer with `generate()` (no lockstep), bf16 on GPUs: finishes, finite losses.
@@ -32,15 +34,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.compare import checks_markdown, compare  # noqa: E402
 
-CHECKS = ("sft", "resume", "grpo", "grpo_generate")
+CHECKS = ("sft", "resume", "elastic", "grpo", "grpo_generate")
 SFT = ["--workload", "tulu", "--max_steps", "10", "--max_length", "2048", "--max_tokens_per_microbatch", "2048",
        "--per_device_train_batch_size", "8", "--learning_rate", "1e-3"]  # fmt: skip
 GRPO = ["--max_steps", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
         "--max_completion_length", "48"]  # fmt: skip
 
 
-def launch(script: str, out: Path, *args, mixed_precision: str = "no", timeout: float = 400) -> dict:
-    """Run ``script`` on 2 processes (GPUs through accelerate_configs/odc.yaml, else CPU); its losses JSON.
+def launch(script: str, out: Path, *args, mixed_precision: str = "no", timeout: float = 400,
+           num_processes: int = 2) -> dict:  # fmt: skip
+    """Run ``script`` on 2 processes (GPUs through accelerate_configs/odc.yaml, else CPU; ``num_processes`` other than
+    2: GPUs only); its losses JSON.
 
     The full output goes to ``out/log.txt``."""
     import torch
@@ -54,7 +58,7 @@ def launch(script: str, out: Path, *args, mixed_precision: str = "no", timeout: 
         env = {**os.environ, **SAFE_GPU_ENV, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs/odc.yaml"),
-               "--num_processes", "2", "--mixed_precision", mixed_precision, "--main_process_port", "0",
+               "--num_processes", str(num_processes), "--mixed_precision", mixed_precision, "--main_process_port", "0",
                str(ROOT / script), *args]  # fmt: skip
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     else:
@@ -108,6 +112,9 @@ def run_checks(checks, work: Path) -> list[dict]:
         r["exact"] = r.get("max_abs_loss") == 0.0
         r["ok"] = r["ok"] and len(again["steps"]) == 5
         results.append(r)
+    if "elastic" in checks:
+        results.append(elastic(work) if torch.cuda.device_count() >= 4 else
+                       {"name": "elastic: 4 -> 2 processes", "ok": True, "skipped": "needs 4 GPUs", "why": ""})  # fmt: skip
     if "grpo" in checks:
         common = [*GRPO, "--fixed_rollouts", "--loss_type", "dapo,grpo", "--beta", "0.05"]
         odc = launch("examples/grpo.py", work / "grpo_odc", *common, "--trainer", "odc", "--balance", "lb_mini",
@@ -129,6 +136,20 @@ def run_checks(checks, work: Path) -> list[dict]:
                         "rewards": [h.get("reward") for h in history],
                         "microbatches": [s["microbatches"] for s in gen["dapo"]["steps"]], "why": ""})  # fmt: skip
     return results
+
+
+def elastic(work: Path) -> dict:
+    """Checkpoint on 4 GPUs, resume on 2 with the same 16 samples per step (``per_device_train_batch_size`` 4 -> 8)."""
+    at = SFT.index("--per_device_train_batch_size")
+    args = SFT[:at] + SFT[at + 2 :]
+    first = launch("examples/sft.py", work / "elastic_4", *args, "--per_device_train_batch_size", "4", "--odc", "on",
+                   "--balance", "lb_mini", "--save_steps", "5", num_processes=4)  # fmt: skip
+    again = launch("examples/sft.py", work / "elastic_2", *args, "--per_device_train_batch_size", "8", "--odc", "on",
+                   "--balance", "lb_mini", "--resume_from_checkpoint", work / "elastic_4" / "checkpoint-5")  # fmt: skip
+    r = compare("elastic: checkpoint of 4 processes resumed on 2, steps 6-10", again["history"], first["history"],
+                steps=range(6, 11))  # fmt: skip
+    r["ok"] = r["ok"] and len(again["steps"]) == 5 and all(len(s["microbatches"]) == 2 for s in again["steps"])
+    return r
 
 
 def markdown(payload: dict) -> str:

@@ -69,6 +69,11 @@ class ODCConfig:
             of the decoder layers, spread evenly. The ODC trainers only (docs/performance.md).
         device_memory_gib: the device memory ``auto`` plans against, in GiB (default: the GPU's total memory).
             Lower it to leave room for something else on the GPU.
+        global_batch_size: samples per optimizer step, all ranks together (the global minibatch). ``None``: the
+            Trainer's ``per_device_train_batch_size x gradient_accumulation_steps x`` number of processes. Set it to
+            keep a run's batch whatever the number of ranks, e.g. to resume a checkpoint on a different number of
+            GPUs (docs/troubleshooting.md); ``per_device_train_batch_size`` then plays no part (LB-Mini gives each
+            rank a share by cost, not by count). SFT / Trainer path only (not GRPO).
         kernels: Liger's Triton layer kernels (RMSNorm, SwiGLU, RoPE; ODCTrainer also its fused linear
             cross-entropy). ``auto``: when ``liger-kernel`` is installed (``pip install odc_hf[kernels]``) and
             training runs on CUDA; ``liger``: required (clear error otherwise; ``use_liger_kernel=True`` in the
@@ -90,6 +95,7 @@ class ODCConfig:
     kernels: str = "auto"
     attention: str = "auto"
     grpo_layout: str = "auto"
+    global_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:
@@ -122,6 +128,9 @@ class ODCConfig:
                     f"activation_checkpointing must be one of {CHECKPOINTING_NAMES} or a fraction of the decoder "
                     f"layers between 0 and 1 such as '0.5', got {self.activation_checkpointing!r}"
                 )
+        batch = self.global_batch_size
+        if batch is not None and (isinstance(batch, bool) or int(batch) != batch or batch < 1):
+            raise ValueError(f"global_batch_size must be a positive integer (samples per optimizer step), got {batch}")
         if self.device_memory_gib is not None and not (
             math.isfinite(self.device_memory_gib) and self.device_memory_gib > 0
         ):

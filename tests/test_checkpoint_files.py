@@ -1,7 +1,8 @@
 """The CPU-sharded save path writes the files TRL's own run writes (2 CPU processes through accelerate launch), in the
 output directory (``trainer.save_model()``) and in every checkpoint, so tools that read them (``training_args.bin``,
-``trainer_state.json``, the tokenizer, ...) keep working. The one difference is the optimizer: saved shard by shard
-(``odc_optimizer/``, torch.distributed.checkpoint) instead of ``optimizer.pt``."""
+``trainer_state.json``, the tokenizer, ...) keep working. The differences: the optimizer, saved shard by shard
+(``odc_optimizer/``, torch.distributed.checkpoint) instead of ``optimizer.pt``, and the completion marker
+``odc_checkpoint.json`` (odc_hf/integrations/resume.py)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def test_cpu_sharded_save_writes_the_files_trl_writes(tmp_path):
     assert "training_args.bin" in trl and "checkpoint-2/training_args.bin" in trl  # what the comparison is about
     sharded_optimizer = {f for f in odc if f.startswith("checkpoint-2/odc_optimizer/")}
     assert sharded_optimizer, odc
-    assert odc - sharded_optimizer == trl - {"checkpoint-2/optimizer.pt"}, (sorted(odc), sorted(trl))
+    assert "checkpoint-2/odc_checkpoint.json" in odc  # the completion marker, written last
+    assert odc - sharded_optimizer - {"checkpoint-2/odc_checkpoint.json"} == trl - {"checkpoint-2/optimizer.pt"}, (
+        sorted(odc), sorted(trl))  # fmt: skip
     _assert_same_contents(tmp_path / "out/trl", tmp_path / "out/odc")
 
 

@@ -67,6 +67,10 @@ class ODCArguments:
     odc_grpo_layout: str | None = field(default=None, metadata={"help": (
         "ODC: GRPO training microbatches: packed (sequences back to back, no padding), padded (TRL's layout) or "
         "auto (packed under flash attention, and under sdpa_varlen off CUDA) (default auto)")})  # fmt: skip
+    odc_global_batch_size: int | None = field(default=None, metadata={"help": (
+        "ODC: samples per optimizer step, all ranks together; unset: per_device_train_batch_size x "
+        "gradient_accumulation_steps x processes. Set it to resume on a different number of GPUs with the same "
+        "batch (SFT / Trainer only)")})  # fmt: skip
 
 
 @dataclasses.dataclass

@@ -4,9 +4,12 @@ The Trainer only knows how to save sharded optimizers for accelerate's FSDP; on 
 rank 0's optimizer shard alone. These two functions replace the Trainer's private
 ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler`` for that path only (the mixin calls them;
 transformers 5.17 and 5.24 both have those names, checked by ``TRAINER_HOOKS`` and a test): the optimizer goes
-through torch.distributed.checkpoint (every rank writes its shard), the scheduler is written by the main
-process as the Trainer does. Model weights go through ``ODCMixin.save_model`` (full state dict) and the Trainer
-loads them before sharding, so they need nothing here.
+through torch.distributed.checkpoint (every rank writes its shard; DCP reshards on load, so a checkpoint of N ranks
+loads on M), the scheduler is written by the main process as the Trainer does. Model weights go through
+``ODCMixin.save_model`` (full state dict) and the Trainer loads them before sharding, so they need nothing here.
+
+A checkpoint that lacks what the run needs is an error naming the part and the checkpoint, never a silent fresh
+optimizer (the Trainer's own loader skips a missing ``optimizer.pt`` without a word).
 """
 
 from __future__ import annotations
@@ -17,9 +20,30 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-TRAINER_HOOKS = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
+# Private Trainer methods the ODC trainers override (odc_hf/integrations/trainer.py); tests/test_trainer_errors.py
+# fails loudly if transformers renames one.
+TRAINER_HOOKS = (
+    "_save_optimizer_and_scheduler",
+    "_load_optimizer_and_scheduler",
+    "_issue_warnings_after_load",
+    "_save_checkpoint",
+    "_get_output_dir",
+)
 OPTIMIZER_DIR = "odc_optimizer"
+DCP_METADATA = ".metadata"  # written last by dcp.save's coordinator, once every rank's shard is on disk
 SCHEDULER_NAME = "scheduler.pt"
+
+
+class CheckpointPartMissing(FileNotFoundError):
+    """A checkpoint lacks (or cannot read) a part the resumed run needs."""
+
+    def __init__(self, checkpoint: str, part: str, what: str, detail: str = ""):
+        self.checkpoint, self.part = checkpoint, part
+        super().__init__(
+            f"checkpoint {checkpoint} cannot be resumed: {part} ({what}) {detail or 'is missing'}. Resuming without "
+            "it would silently change the run; resume from a complete checkpoint (resume_from_checkpoint=True takes "
+            "the last complete one in the output directory)"
+        )
 
 
 def _optimizer(trainer):
@@ -33,16 +57,79 @@ def save_optimizer_and_scheduler(trainer, output_dir: str) -> None:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
 
-def load_optimizer_and_scheduler(trainer, checkpoint: str) -> bool:
-    """Load what :func:`save_optimizer_and_scheduler` wrote; False if the checkpoint has no odc_hf optimizer."""
+def check_sharded_parts(checkpoint: str, *, scheduler: bool) -> None:
+    """Raise :class:`CheckpointPartMissing` when the sharded optimizer (or, with ``scheduler``, the scheduler) that
+    :func:`save_optimizer_and_scheduler` writes is not in ``checkpoint``. Reads files only: every rank raises alike,
+    before any collective."""
     path = os.path.join(checkpoint, OPTIMIZER_DIR)
+    what = "the optimizer state, saved shard by shard with torch.distributed.checkpoint"
     if not os.path.isdir(path):
-        return False
+        raise CheckpointPartMissing(checkpoint, f"{OPTIMIZER_DIR}/", what)
+    if not os.path.isfile(os.path.join(path, DCP_METADATA)):
+        raise CheckpointPartMissing(checkpoint, f"{OPTIMIZER_DIR}/{DCP_METADATA}", what, "is missing (its save did "
+                                    "not finish)")  # fmt: skip
+    short = _short_shards(path)
+    if short:
+        raise CheckpointPartMissing(checkpoint, f"{OPTIMIZER_DIR}/{short[0]}", "a rank's optimizer shard, listed in "
+                                    f"{OPTIMIZER_DIR}/{DCP_METADATA}", "is missing or cut short")  # fmt: skip
+    if scheduler and not os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+        raise CheckpointPartMissing(checkpoint, SCHEDULER_NAME, "the learning-rate scheduler's state")
+
+
+def _short_shards(path: str) -> list[str]:
+    """The shard files DCP's metadata lists that are absent or shorter than the data it records in them."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    needed: dict[str, int] = {}
+    for item in (metadata.storage_data or {}).values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    return sorted(
+        name for name, size in needed.items()
+        if not os.path.isfile(os.path.join(path, name)) or os.path.getsize(os.path.join(path, name)) < size
+    )  # fmt: skip
+
+
+def load_optimizer_and_scheduler(trainer, checkpoint: str) -> None:
+    """Load what :func:`save_optimizer_and_scheduler` wrote (on any number of ranks); raise
+    :class:`CheckpointPartMissing` if a part is missing or unreadable."""
+    check_sharded_parts(checkpoint, scheduler=trainer.lr_scheduler is not None)
+    path = os.path.join(checkpoint, OPTIMIZER_DIR)
     optimizer = _optimizer(trainer)
     state = {"optimizer": get_optimizer_state_dict(trainer.model, optimizer)}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)  # collective; a read error on one rank is raised on every rank
+    except (Exception, dcp.CheckpointException) as err:  # DCP's (a BaseException) carries each rank's error
+        raise CheckpointPartMissing(checkpoint, f"{OPTIMIZER_DIR}/", "the optimizer state",
+                                    f"cannot be read ({_reason(err)})") from err  # fmt: skip
     set_optimizer_state_dict(trainer.model, optimizer, optim_state_dict=state["optimizer"])
-    scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-    if trainer.lr_scheduler is not None and os.path.isfile(scheduler):
-        trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
-    return True
+    if trainer.lr_scheduler is not None:
+        trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+
+def _reason(err: BaseException) -> str:
+    """One line per distinct failure: a CheckpointException's per-rank errors (its text is their full tracebacks)."""
+    failures = getattr(err, "failures", None)
+    errors = [exc for exc, _ in failures.values()] if failures else [err]
+    return "; ".join(dict.fromkeys(f"{type(e).__name__}: {e}"[:300] for e in errors))
+
+
+def missing_tied_keys(model: torch.nn.Module, missing: list[str]) -> set[str]:
+    """The names in ``missing`` that are tied to (the same tensor as) a name that is not missing: loading that name
+    loaded them too. ``save_pretrained`` drops a tied copy (``lm_head.weight`` of a model whose head shares the
+    embedding), so a correct checkpoint always "misses" it."""
+    owner: dict[int, set[str]] = {}
+    for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        owner.setdefault(id(tensor), set()).add(name)
+    by_name = {name: names for names in owner.values() for name in names}
+    absent = set(missing)
+    return {name for name in absent if by_name.get(name, set()) - absent}
+
+
+def check_trainer_optimizer(checkpoint: str, *, scheduler: bool) -> None:
+    """On the paths where the Trainer itself loads the optimizer (accelerate's FSDP2 on GPUs, one process): the files
+    its loader looks for (``optimizer.pt``, accelerate's ``optimizer*.bin`` / ``optimizer_*`` folder, and the
+    scheduler), whose absence it skips without a word."""
+    names = os.listdir(checkpoint)
+    if not any(n.startswith("optimizer") for n in names):
+        raise CheckpointPartMissing(checkpoint, "optimizer.pt (or accelerate's optimizer_0/)", "the optimizer state")
+    if scheduler and SCHEDULER_NAME not in names:
+        raise CheckpointPartMissing(checkpoint, SCHEDULER_NAME, "the learning-rate scheduler's state")

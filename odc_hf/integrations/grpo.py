@@ -100,6 +100,8 @@ def _check_settings(trainer, grad_accum: int) -> None:
 class _GRPOPart:
     """The GRPO specifics on top of :class:`ODCMixin`; see the module docstring."""
 
+    odc_global_batch_option = False  # the batch is TRL's generation batch, sized from its own arguments
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_trl_grpo(self)

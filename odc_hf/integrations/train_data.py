@@ -64,20 +64,24 @@ def check_something_to_train(lengths: list[int]) -> None:
         )
 
 
-def check_minibatch_fits(num_samples: int, *, per_device: int, accumulation: int, world: int, drop_last: bool) -> None:
+def check_minibatch_fits(num_samples: int, *, per_device: int, accumulation: int, world: int, drop_last: bool,
+                         global_batch_size: int | None = None) -> None:  # fmt: skip
     """With ``drop_last`` a dataset smaller than one global minibatch gives zero steps: refuse it, saying what to change.
 
     Without ``drop_last`` the last, partial minibatch is planned and trained as the Trainer's own dataloader
-    trains a last partial batch, so that is the alternative the message offers.
+    trains a last partial batch, so that is the alternative the message offers. ``global_batch_size``: ODCConfig's,
+    which replaces ``per_device x accumulation x world`` when set.
     """
-    minibatch = per_device * accumulation * world
+    minibatch = global_batch_size or per_device * accumulation * world
     if drop_last and num_samples < minibatch:
+        made_of = (f"ODCConfig.global_batch_size {global_batch_size}" if global_batch_size else
+                   f"per_device_train_batch_size {per_device} x gradient_accumulation_steps {accumulation} x {world} "
+                   "processes")  # fmt: skip
+        lower = "global_batch_size" if global_batch_size else "per_device_train_batch_size or gradient_accumulation_steps"
         raise ValueError(
             f"the training dataset ({num_samples} samples) is smaller than one global minibatch ({minibatch} = "
-            f"per_device_train_batch_size {per_device} x gradient_accumulation_steps {accumulation} x {world} "
-            "processes), and dataloader_drop_last=True drops it, so no step would run. Lower "
-            "per_device_train_batch_size or gradient_accumulation_steps, use more samples, or set "
-            "dataloader_drop_last=False to train the partial minibatch"
+            f"{made_of}), and dataloader_drop_last=True drops it, so no step would run. Lower {lower}, use more "
+            "samples, or set dataloader_drop_last=False to train the partial minibatch"
         )
 
 

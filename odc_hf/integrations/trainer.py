@@ -145,9 +145,18 @@ class ODCMixin:
     subclass (overriding ``plan(step)``, say) on your trainer class to plan differently; every rank must get the same
     plans from the same arguments, without communicating."""
 
+    odc_global_batch_option = True
+    """Whether ``ODCConfig.global_batch_size`` can set this trainer's samples per optimizer step."""
+
     # -- setup -------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
         self.args = args = copy.copy(self.args)  # the user's object stays as they made it
+        if self.odc_config.global_batch_size is not None and not self.odc_global_batch_option:
+            raise ValueError(
+                f"{type(self).__name__} sizes its batch from its own arguments (per_device_train_batch_size, "
+                "gradient_accumulation_steps, ...): leave ODCConfig.global_batch_size (--odc_global_batch_size, "
+                "ODC_GLOBAL_BATCH_SIZE) unset"
+            )
         self.odc_minibatch_per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
         if args.gradient_accumulation_steps != 1:
             logger.info(
@@ -175,6 +184,16 @@ class ODCMixin:
                 "its accelerator through Trainer._build_accelerator_args, where odc_hf gives it its ODCFSDPPlugin"
             )
         adopt(self.accelerator, self.odc_plugin, parallelism_config=held)
+        from_arguments = self.odc_minibatch_per_rank * self.accelerator.num_processes
+        self.odc_global_batch_size = self.odc_config.global_batch_size or from_arguments
+        """Samples per optimizer step, all ranks together (the global minibatch)."""
+        if self.odc_global_batch_size != from_arguments and self.accelerator.is_main_process:
+            logger.info(
+                "odc_hf: global_batch_size=%d samples per optimizer step (per_device_train_batch_size %d x "
+                "gradient_accumulation_steps %d x %d processes = %d is not used)", self.odc_global_batch_size,
+                args.per_device_train_batch_size, self.odc_folded_accumulation, self.accelerator.num_processes,
+                from_arguments,
+            )  # fmt: skip
 
     def _build_accelerator_args(self, **kwargs):
         # The one way ODC's options reach an accelerator: an ODCFSDPPlugin (odc_hf/integrations/plugin.py), here the
@@ -188,6 +207,8 @@ class ODCMixin:
         """Samples per optimizer step, all ranks together: the Trainer's figure (per device x accumulation x data
         parallel ranks) times the gradient accumulation ODC folded into each bundle (the Trainer runs with 1), so that
         ``train_samples_per_second`` and the "Total train batch size" line count the samples really trained."""
+        if getattr(self, "odc_global_batch_size", None):
+            return self.odc_global_batch_size
         return super().get_total_train_batch_size(args) * getattr(self, "odc_folded_accumulation", 1)
 
     @property
@@ -220,7 +241,8 @@ class ODCMixin:
         # The data-parallel world is every process, HSDP's replicas included: each rank plans its own share.
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         check_minibatch_fits(len(lengths), per_device=self.args.per_device_train_batch_size, world=world,
-                             accumulation=self.odc_folded_accumulation, drop_last=self.args.dataloader_drop_last)  # fmt: skip
+                             accumulation=self.odc_folded_accumulation, drop_last=self.args.dataloader_drop_last,
+                             global_batch_size=self.odc_config.global_batch_size)  # fmt: skip
         # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
         # layout, one packed row (docs/configuration.md), i.e. the longest sample.
         budget = self.odc_config.max_tokens_per_microbatch or max(lengths)
@@ -229,7 +251,7 @@ class ODCMixin:
         if self.odc_compute is not None:
             compute_path.plan(self, budget)  # activation checkpointing for this budget, before prepare()
         sampler = self.odc_sampler_class(
-            lengths, world_size=world, rank=rank, minibatch_size=self.odc_minibatch_per_rank * world,
+            lengths, world_size=world, rank=rank, minibatch_size=self.odc_global_batch_size,
             max_tokens_per_microbatch=budget, mode=self.odc_config.balance, cost_model=self._odc_cost_model(),
             seed=self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last,
             truncate=self.odc_config.truncate,
@@ -253,11 +275,16 @@ class ODCMixin:
         return MASK_KEYS
 
     # -- failure reporting -------------------------------------------------------------------------
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """``Trainer.train`` under :func:`odc_hf.failure_guard`: an exception anywhere in a step (microbatches,
-        clipping, optimizer step, logging, evaluation, saving) reaches every peer within a second, with its text."""
+        clipping, optimizer step, logging, evaluation, saving) reaches every peer within a second, with its text.
+        A checkpoint to resume from is checked first (:mod:`odc_hf.integrations.resume`)."""
+        from odc_hf.integrations import resume
+
+        if resume_from_checkpoint:  # True: the last COMPLETE checkpoint of the output directory
+            resume_from_checkpoint = resume.resolve(self, resume_from_checkpoint)
         with failure_guard(lambda: self.odc):
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
         with failure_guard(lambda: self.odc):
@@ -406,7 +433,33 @@ class ODCMixin:
 
         return self.accelerator.distributed_type != DistributedType.FSDP and is_sharded(self.model)
 
-    # Private Trainer methods, overridden for the CPU path only (see odc_hf/integrations/checkpoint.py).
+    def _save_checkpoint(self, model, trial):
+        """The Trainer's save, then a completion marker once every rank has written every part, then the rotation of
+        old checkpoints (``save_total_limit``): a job killed while saving leaves the previous checkpoint loadable,
+        and ``resume_from_checkpoint=True`` takes the last complete one (:mod:`odc_hf.integrations.resume`)."""
+        import os
+
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        from odc_hf.integrations import resume
+
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            resume.unmark(checkpoint)  # overwriting an older save of this step: incomplete until marked again
+        limit, self.args.save_total_limit = self.args.save_total_limit, None  # self.args is odc_hf's copy
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()  # every rank's parts are on disk
+        if self.args.should_save:
+            resume.mark_complete(self, checkpoint)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)  # fmt: skip
+
+    # Private Trainer methods (TRAINER_HOOKS in odc_hf/integrations/checkpoint.py; the optimizer's own format on the
+    # CPU path only).
     def _save_optimizer_and_scheduler(self, output_dir):
         if not self._odc_self_sharded():
             return super()._save_optimizer_and_scheduler(output_dir)
@@ -415,14 +468,25 @@ class ODCMixin:
         save_optimizer_and_scheduler(self, output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        from odc_hf.integrations.checkpoint import load_optimizer_and_scheduler
+        from odc_hf.integrations.checkpoint import check_trainer_optimizer, load_optimizer_and_scheduler
+        from odc_hf.integrations.resume import reads_sharded_optimizer
 
-        if (
-            checkpoint is None
-            or not self._odc_self_sharded()
-            or not load_optimizer_and_scheduler(self, checkpoint)
-        ):
+        if checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
+        if self._odc_self_sharded() or reads_sharded_optimizer(self, checkpoint):
+            return load_optimizer_and_scheduler(self, checkpoint)
+        check_trainer_optimizer(checkpoint, scheduler=self.lr_scheduler is not None)  # the Trainer skips silently
+        return super()._load_optimizer_and_scheduler(checkpoint)
+
+    def _issue_warnings_after_load(self, load_result):
+        # A tied copy (lm_head.weight sharing the embedding) is never saved, so every correct checkpoint "misses" it:
+        # warn only about keys that are really missing.
+        from odc_hf.integrations.checkpoint import missing_tied_keys
+
+        if hasattr(load_result, "_replace"):  # torch's _IncompatibleKeys (a namedtuple)
+            tied = missing_tied_keys(self.accelerator.unwrap_model(self.model), load_result.missing_keys)
+            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
+        return super()._issue_warnings_after_load(load_result)
 
     # -- observability -----------------------------------------------------------------------------
     def log(self, logs, *args, **kwargs):

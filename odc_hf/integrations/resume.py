@@ -1,0 +1,174 @@
+"""Resuming the ODC trainers from a checkpoint: complete checkpoints only, checked before anything is built.
+
+**Complete checkpoints.** A save writes many files from every rank (the model from the main process, one optimizer
+shard per rank, RNG states, the trainer state); a job killed in the middle leaves a ``checkpoint-N`` folder that
+looks like a checkpoint. transformers 5.17 and 5.24 write straight into ``checkpoint-N`` and
+``resume_from_checkpoint=True`` takes the highest-numbered folder whatever it holds. (4.36 staged saves in
+``tmp-checkpoint-N`` and renamed the folder at the end; the rename raced between the ranks and nodes writing into it,
+transformers issues 27925, 28364 and 28848, and 5.x no longer stages.) So the ODC trainers keep transformers' layout
+and add a completion marker, :data:`MARKER`, written atomically (temp
+file, then rename) by the main process after every rank has finished every part; it also records the run's layout
+(world size, mesh, samples per optimizer step). A save first removes an older marker from its folder, and rotation
+(``save_total_limit``) runs only after the new marker is down, so the previous checkpoint stays until a newer one is
+complete. Resuming takes the last marked checkpoint (``True``) or refuses an unmarked one (a path).
+
+``ODCMixin.train(resume_from_checkpoint=...)`` calls :func:`resolve` on every rank before the Trainer loads
+anything: the checks read files only, so every rank raises the same error before any collective (a missing part
+found later, inside the Trainer's loading, would leave the other ranks waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+from accelerate.utils import DistributedType
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from odc_hf.integrations.checkpoint import OPTIMIZER_DIR, CheckpointPartMissing, check_sharded_parts
+
+logger = logging.getLogger(__name__)
+
+MARKER = "odc_checkpoint.json"
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # transformers' own pattern (trainer_utils)
+
+
+def reads_sharded_optimizer(trainer, checkpoint: str) -> bool:
+    """Whether this run loads the optimizer from ``odc_optimizer/`` (torch.distributed.checkpoint): where odc_hf, not
+    accelerate, shards the model (the CPU path, known before ``prepare``), and in one process from a checkpoint of
+    several CPU ranks (DCP loads it unsharded)."""
+    accelerator = trainer.accelerator
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return False
+    return accelerator.num_processes > 1 or os.path.isdir(os.path.join(checkpoint, OPTIMIZER_DIR))
+
+
+def layout(trainer) -> dict:
+    """What the marker records of the run that wrote the checkpoint (and what resuming compares with)."""
+    mesh = getattr(trainer.accelerator, "torch_device_mesh", None)
+    return {
+        "world_size": trainer.accelerator.num_processes,
+        "mesh": list(mesh.shape) if mesh is not None else [trainer.accelerator.num_processes],
+        "global_batch_size": trainer.odc_global_batch_size,
+    }
+
+
+# -- saving --------------------------------------------------------------------------------------------------------
+def unmark(checkpoint: str) -> None:
+    """Before (re)writing ``checkpoint``: it is incomplete until :func:`mark_complete` says otherwise."""
+    try:
+        os.remove(os.path.join(checkpoint, MARKER))
+    except FileNotFoundError:
+        pass
+
+
+def mark_complete(trainer, checkpoint: str) -> None:
+    """After every rank finished every part of ``checkpoint`` (main process only): write the marker atomically."""
+    record = {"global_step": trainer.state.global_step, **layout(trainer)}
+    temporary = os.path.join(checkpoint, f".{MARKER}.tmp")
+    with open(temporary, "w") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, os.path.join(checkpoint, MARKER))
+
+
+# -- resuming ------------------------------------------------------------------------------------------------------
+def read_marker(checkpoint: str) -> dict | None:
+    try:
+        with open(os.path.join(checkpoint, MARKER)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    """``checkpoint-N`` folders of ``output_dir``, by step."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT.match(name))]
+    return [os.path.join(output_dir, name) for _, name in sorted(found) if os.path.isdir(os.path.join(output_dir, name))]
+
+
+def last_complete(output_dir: str) -> str | None:
+    complete = [c for c in checkpoints(output_dir) if read_marker(c) is not None]
+    return complete[-1] if complete else None
+
+
+def resolve(trainer, resume_from_checkpoint):
+    """The checkpoint to resume from: ``True`` -> the last complete one in the output directory; a path -> itself,
+    if complete and holding every part the run needs. Raises, naming the part and the checkpoint, otherwise."""
+    if resume_from_checkpoint is True:
+        found = checkpoints(trainer.args.output_dir)
+        if not found:
+            return True  # the Trainer's own "No valid checkpoint found in output directory"
+        chosen = last_complete(trainer.args.output_dir)
+        skipped = found[found.index(chosen) + 1 :] if chosen else found
+        if skipped and trainer.accelerator.is_main_process:
+            logger.warning(
+                "odc_hf: skipping %s: no %s, so the save did not finish (the job stopped while writing it)",
+                ", ".join(os.path.basename(s) for s in skipped), MARKER,
+            )  # fmt: skip
+        if chosen is None:
+            raise CheckpointPartMissing(found[-1], MARKER, "written last, once every rank has saved every part",
+                                        f"is missing in every checkpoint of {trainer.args.output_dir}")  # fmt: skip
+        resume_from_checkpoint = chosen
+    check_parts(trainer, resume_from_checkpoint)
+    return resume_from_checkpoint
+
+
+def check_parts(trainer, checkpoint: str) -> None:
+    """Raise, naming the part and the checkpoint, when ``checkpoint`` lacks something the resumed run needs."""
+    if not os.path.isdir(checkpoint):
+        raise FileNotFoundError(f"resume_from_checkpoint={checkpoint!r}: no such checkpoint directory")
+    if read_marker(checkpoint) is None:
+        last = last_complete(os.path.dirname(os.path.abspath(checkpoint)))
+        raise CheckpointPartMissing(
+            checkpoint, MARKER, "written last, once every rank has saved every part",
+            "is missing: its save did not finish (the job stopped while writing it), or another trainer or an older "
+            f"odc_hf wrote it (if you know it is complete, write {{}} into {MARKER} there). The last complete "
+            f"checkpoint beside it is {last}",
+        )  # fmt: skip
+    if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE_NAME)):
+        # the Trainer would restart at step 0 with the checkpoint's weights, from the first sample
+        raise CheckpointPartMissing(checkpoint, TRAINER_STATE_NAME, "the step, epoch and log to continue from")
+    if reads_sharded_optimizer(trainer, checkpoint):
+        check_sharded_parts(checkpoint, scheduler=True)  # the Trainer always builds a scheduler
+    check_layout(trainer, checkpoint, read_marker(checkpoint))
+
+
+def check_layout(trainer, checkpoint: str, saved: dict) -> None:
+    """Another number of ranks is fine (DCP reshards the optimizer, the sampler plans every step for this world,
+    and which samples form a step depends on the seed and the global batch only); another global batch is not: every
+    step after the checkpoint would be another step than the run's, so it is refused, saying how to keep it."""
+    if not saved:  # {} written by hand into a foreign checkpoint: nothing to compare with
+        return
+    saved_batch, saved_world = saved["global_batch_size"], saved["world_size"]
+    batch, world = trainer.odc_global_batch_size, trainer.accelerator.num_processes
+    if batch != saved_batch:
+        if trainer.odc_config.global_batch_size is not None:
+            ours = f"global_batch_size={batch}"
+        else:
+            ours = (f"per_device_train_batch_size {trainer.args.per_device_train_batch_size} x "
+                    f"gradient_accumulation_steps {trainer.odc_folded_accumulation} x {world} processes")  # fmt: skip
+        if trainer.odc_global_batch_option:
+            keep = (f"set global_batch_size={saved_batch} (ODCConfig(global_batch_size={saved_batch}), "
+                    f"--odc_global_batch_size {saved_batch} or ODC_GLOBAL_BATCH_SIZE={saved_batch})")  # fmt: skip
+        else:
+            keep = f"make per_device_train_batch_size x gradient_accumulation_steps x processes {saved_batch} again"
+        moved = f"; on {world} ranks instead of {saved_world}," if world != saved_world else "; "
+        raise ValueError(
+            f"checkpoint {checkpoint} was trained with {saved_batch} samples per optimizer step on {saved_world} "
+            f"ranks{moved} this run's settings give {batch} ({ours}). Resuming would silently change the run (every "
+            f"later step would draw other samples). To continue the run with its batch, {keep}; to train on with "
+            f"another batch, start a new run from the checkpoint's weights (model_name_or_path={checkpoint})"
+        )
+    if (world, saved.get("mesh")) != (saved_world, layout(trainer)["mesh"]) and trainer.accelerator.is_main_process:
+        logger.info(
+            "odc_hf: resuming %s, written by %d ranks (mesh %s), on %d ranks (mesh %s): the global batch stays %d "
+            "samples per optimizer step, the optimizer state is resharded and every step is planned for %d ranks",
+            checkpoint, saved_world, saved.get("mesh"), world, layout(trainer)["mesh"], batch, world,
+        )  # fmt: skip
