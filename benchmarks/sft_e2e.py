@@ -128,7 +128,7 @@ def _static_bytes(model, optimizer, odc) -> int:
             if hasattr(value, "numel"):
                 total += value.numel() * value.element_size()
     if odc is not None:
-        total += sum(u.spec.shard_numel * (u.spec.param_dtype.itemsize + 4) for u in odc.units)
+        total += sum(u.spec.device_bytes for u in odc.units)
     return total
 
 
