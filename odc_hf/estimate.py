@@ -54,8 +54,10 @@ SINGLE_NODE_LABELS = {
     "odc_hsdp": "ODC + LB-Mini",
 }
 REBALANCE_MAX_STEPS = 32
-"""Steps planned with transformers' sampler by default: its search is pure Python (6.6 s per step of 4,096 samples
-over 1,024 ranks on one core), so its rows cover the first steps only; each row states its step count."""
+"""Steps planned with transformers' sampler by default: its search is pure Python (6.6-45 s per step of 4,096
+samples over 1,024 ranks on one core), so its rows cover the first steps only; each row states its step count."""
+REBALANCE_TIME_S = 30.0
+"""... and it stops after the step that takes its planning past this many seconds (per cluster layout)."""
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------
@@ -143,6 +145,7 @@ def estimate(
     progress=None,
     grad_accum: int | None = None,
     rebalance_max_steps: int | None = REBALANCE_MAX_STEPS,
+    rebalance_time_s: float = REBALANCE_TIME_S,
 ) -> dict:
     """Summaries (:func:`~odc_hf.balance.simulate.summarize`) on one node and, for ``num_nodes > 1``, on all.
 
@@ -161,7 +164,19 @@ def estimate(
         ok, why = available()
         if ok:
             def lockstep_for(world):
-                return lambda batch: rebalance_plan(batch, world, grad_accum)
+                import time
+
+                spent = [0.0]
+
+                def plan(batch):
+                    if spent[0] > rebalance_time_s:
+                        return None  # its rows keep the steps planned so far (each row states its count)
+                    start = time.perf_counter()
+                    out = rebalance_plan(batch, world, grad_accum)
+                    spent[0] += time.perf_counter() - start
+                    return out
+
+                return plan
         else:
             out["rebalance_unavailable"] = why
     layouts = [("single_node", 1)] + ([("multi_node", num_nodes)] if num_nodes > 1 else [])
@@ -330,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (the sampler's)")
     p.add_argument("--max-steps", type=int, help="simulate at most this many steps per layout")
+    p.add_argument("--rebalance-time-s", type=float, default=REBALANCE_TIME_S,
+                   help="stop planning with batch_rebalance once this many seconds are spent (per layout)")
     p.add_argument("--rebalance-max-steps", type=int, default=REBALANCE_MAX_STEPS,
                    help="plan at most this many steps with transformers' batch_rebalance sampler (pure Python, slow "
                         "at hundreds of GPUs); 0 leaves its rows out")  # fmt: skip
@@ -400,7 +417,7 @@ def run(argv=None) -> dict:
             network_gb_per_s=args.network_gb_per_s, per_rank=per_rank, max_tokens=budget, seed=args.seed,
             max_steps=args.max_steps, progress=progress,
             grad_accum=args.gradient_accumulation_steps if args.rebalance_max_steps else None,
-            rebalance_max_steps=args.rebalance_max_steps,
+            rebalance_max_steps=args.rebalance_max_steps, rebalance_time_s=args.rebalance_time_s,
         )  # fmt: skip
     except ValueError as err:
         raise EstimateError(str(err)) from None

@@ -75,3 +75,20 @@ def test_missing_sampler_is_a_clear_error(monkeypatch):
     monkeypatch.delattr(tpu, "BatchRebalanceSampler", raising=False)
     ok, why = hf.available()
     assert not ok and "5.17 and 5.24" in why
+
+
+def test_a_lockstep_planner_may_stop_and_its_rows_cover_the_steps_before():
+    """The estimate stops transformers' (slow) sampler after a time budget by returning None: the lockstep rows then
+    cover the steps planned so far, the other rows all steps."""
+    calls = []
+
+    def planner(batch):
+        calls.append(len(batch))
+        return None if len(calls) > 2 else [[list(range(r, len(batch), 2))] for r in range(2)]
+
+    steps = plan_steps(np.full(40, 300), 2, 4, 1200, LINEAR, shuffle=False, lockstep=planner)
+    assert len(steps) == 5 and len(calls) == 3  # asked again only until it said stop
+    times = step_times(steps, SHAPE, Cluster(gpus_per_node=2, num_nodes=1), OVERHEADS)
+    assert times["rebalance_hsdp"]["total"].size == 2 and times["odc_hsdp"]["total"].size == 5
+    summary = summarize(times)
+    assert summary["rebalance_hsdp"]["steps"] == 2 and summary["speedup_vs_rebalance_hsdp_steps"] == 2

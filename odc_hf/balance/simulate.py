@@ -99,7 +99,8 @@ def plan_steps(
     Over-budget samples are clipped to ``max_tokens`` (the trainer needs ``truncate=True`` for them).
     ``max_steps`` keeps the first steps only; ``progress`` wraps the step iterator (e.g. ``tqdm``).
     ``lockstep(batch_lengths) -> plan[rank][slot]`` (positions in the batch) adds a third plan of each of the first
-    ``lockstep_max_steps`` steps (all by default), priced in ``lockstep_layout`` (:mod:`.lockstep`).
+    ``lockstep_max_steps`` steps (all by default), priced in ``lockstep_layout`` (:mod:`.lockstep`); returning
+    ``None`` instead of a plan ends the lockstep plans there.
     """
     lengths = np.asarray(lengths)
     if lengths.ndim != 1 or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
@@ -129,8 +130,12 @@ def plan_steps(
         for rank, costs in enumerate(micro.microbatch_costs):
             matrix[rank, : len(costs)] = costs
         bound, lock_max, lock_busy = mini.lower_bound, None, None
+        plan = None
         if lockstep is not None and (lockstep_max_steps is None or step < lockstep_max_steps):
             plan = lockstep(batch)
+            if plan is None:  # the planner stops (e.g. out of time): the lockstep steps stay a prefix
+                lockstep = None
+        if plan is not None:
             lock = lockstep_cost_matrix(plan, batch, cost_model, layout=lockstep_layout)
             lock_max, lock_busy = lock.max(axis=0), lock.sum(axis=1)
             # the planner's bound assumes the fewest microbatches the token budget allows; a lockstep plan without a
