@@ -60,6 +60,9 @@ class ODCArguments:
     odc_kernels: str | None = field(default=None, metadata={"help": (
         "ODC: Liger's Triton layer kernels: auto (when liger-kernel is installed and training runs on CUDA), "
         "liger (required), none (default auto)")})  # fmt: skip
+    odc_plan_ahead: int | None = field(default=None, metadata={"help": (
+        "ODC: optimizer steps planned ahead in a background thread of the data loader, so planning overlaps "
+        "training (0: plan when asked; default 0)")})  # fmt: skip
 
 
 @dataclasses.dataclass
