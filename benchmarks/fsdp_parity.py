@@ -121,7 +121,7 @@ def _run(rank, world_size, mode, args):
         }
     if odc is not None:
         memory["odc_buffers_GiB"] = sum(
-            u.spec.shard_numel * (u.spec.param_dtype.itemsize + 4) for u in odc.units
+            u.spec.device_bytes for u in odc.units
         ) / 2**30  # fmt: skip
         odc.close()
     if cuda:  # symmetric-memory buffers are not in the caching allocator's statistics: add them

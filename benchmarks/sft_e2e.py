@@ -46,13 +46,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks.sft_setup import build_model, calibrate_cost_model, model_config, run_step, sample_ids  # noqa: E402
 
-VARIANTS = ("A", "B", "C", "D")
+VARIANTS = ("A", "B", "C", "D", "H")
 DESCRIPTIONS = {
     "A": "FSDP2 + TRL packing (bfd) + round-robin rows",
     "B": "FSDP2 + LB-Micro",
     "C": "ODC + LB-Micro",
     "D": "ODC + LB-Mini",
+    "H": "A_hf: TRL SFTTrainer + FSDP2 + batch_rebalance (transformers' sampler, padded rows)",
 }
+LOCKSTEP_VARIANTS = ("A", "B", "H")  # FSDP2: every rank runs the same number of microbatches
 H200_PEAK_TFLOPS = 989.0
 SIM_WORLD_SIZES = (2, 8, 16, 32, 64)
 
@@ -88,10 +90,13 @@ def trl_rows(lengths, budget: int) -> list[list[int]]:
     return rows
 
 
-def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants, cost_model_d=None) -> dict:
+def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants, cost_model_d=None,
+                   hf_grad_accum: int = 1) -> dict:  # fmt: skip
     """Per variant, each rank's microbatches (lists of positions in ``lengths``) and the Plan when there is one.
 
-    ``cost_model_d``: D's own (its compute path's) cost model; default ``cost_model``."""
+    ``cost_model_d``: D's own (its compute path's) cost model; default ``cost_model``. H (A_hf) is transformers'
+    ``BatchRebalanceSampler`` with ``hf_grad_accum`` microbatches per rank, as ``SFTTrainer`` with
+    ``train_sampling_strategy="batch_rebalance"`` builds it; its microbatches are priced padded."""
     from odc_hf.balance.plan import Plan
     from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
 
@@ -112,6 +117,34 @@ def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants, 
             plan = Plan(mode="trl_packing", microbatches=dealt, microbatch_costs=costs,
                         lower_bound=micro.lower_bound, cost_model=cost_model.describe())  # fmt: skip
             out[v] = (dealt, plan)
+        elif v == "H":
+            import numpy as np
+
+            from odc_hf.balance.lockstep import lockstep_cost_matrix
+            from odc_hf.hf_rebalance import rebalance_plan
+
+            clipped = np.minimum(np.asarray(lengths), budget)
+            rows = rebalance_plan(clipped, world_size, hf_grad_accum)
+            costs = lockstep_cost_matrix(rows, clipped, cost_model, layout="padded").tolist()
+            plan = Plan(mode="batch_rebalance", microbatches=rows, microbatch_costs=costs,
+                        lower_bound=micro.lower_bound, cost_model=cost_model.describe())  # fmt: skip
+            out[v] = (rows, plan)
+    return out
+
+
+def padded_rows(examples: list[dict], pad_token_id: int = 0) -> list[dict]:
+    """A padded microbatch as packed documents: every row right-padded to the widest, pads labelled -100.
+
+    Each padded row is one document of the packed row (position_ids restart per document), so the compute is the
+    padded batch's (rows x widest, attention over the widest per row) and, with causal attention and right padding,
+    the loss is the padded batch's too: real tokens never attend to the pads after them.
+    """
+    widest = max((len(e["input_ids"]) for e in examples), default=0)
+    out = []
+    for e in examples:
+        ids = list(e["input_ids"])
+        pad = widest - len(ids)
+        out.append({"input_ids": ids + [pad_token_id] * pad, "labels": ids + [-100] * pad})
     return out
 
 
@@ -128,7 +161,7 @@ def _static_bytes(model, optimizer, odc) -> int:
             if hasattr(value, "numel"):
                 total += value.numel() * value.element_size()
     if odc is not None:
-        total += sum(u.spec.shard_numel * (u.spec.param_dtype.itemsize + 4) for u in odc.units)
+        total += sum(u.spec.device_bytes for u in odc.units)
     return total
 
 
@@ -186,7 +219,7 @@ def _run(rank, world_size, args):
     d_kind = "odc_default" if d_kernels == "liger" else "odc"  # same weights; Liger patches need their own model
     built = build_model("odc", config, device, args, kernels=d_kernels, checkpointing="auto")
     checkpointed = {"A": config.num_hidden_layers, "B": config.num_hidden_layers, "C": config.num_hidden_layers,
-                    "D": built[3]}  # fmt: skip
+                    "D": built[3], "H": config.num_hidden_layers}  # fmt: skip
     if d_kind == "odc_default":
         models[d_kind] = built
     else:  # D runs the "odc" model with its own checkpointing (set before each step); drop the spare copy
@@ -198,7 +231,9 @@ def _run(rank, world_size, args):
     planned = time.monotonic()
     shapes = attention.warm_up(models["odc"][0], budget, dtype=torch.bfloat16)  # per process: serves both models
     warm_up = {"attention_shapes": shapes, "seconds": time.monotonic() - planned, "bucket": attention.attention_of(models["odc"][0]).shape_bucket}
-    model_of = {"A": "fsdp", "B": "fsdp", "C": "odc", "D": d_kind}
+    model_of = {"A": "fsdp", "B": "fsdp", "C": "odc", "D": d_kind, "H": "fsdp"}
+    # H's padded microbatches hold rows x widest row tokens: batch_rebalance has no token budget
+    padded_collator = BundleCollator(max_tokens_per_microbatch=None, pad_token_id=0)
     paths = {v: {"kernels": d_kernels if v == "D" else "none", "loss": cp.TRL_FUSED_HEAD,
                  "activation_checkpointing": describe_checkpointing(checkpointed[v], config.num_hidden_layers)
                  + (" (auto)" if v == "D" else "")} for v in VARIANTS}  # fmt: skip
@@ -227,7 +262,9 @@ def _run(rank, world_size, args):
         variants = _variants_for(args, workload, per_rank, explicit)
         num_steps = args.warmup + args.steps
         lengths = step_lengths(args, workload, per_rank, world_size, num_steps)
-        plans = [plans_for_step(ls, world_size, budget, cost_model, variants, cost_model_d) for ls in lengths]
+        hf_grad_accum = max(1, per_rank // args.hf_per_device)
+        plans = [plans_for_step(ls, world_size, budget, cost_model, variants, cost_model_d, hf_grad_accum)
+                 for ls in lengths]  # fmt: skip
         estimate = sum(_predicted(p, v)[0] for p in plans for v in variants)
         go = torch.tensor([1.0 if time.monotonic() - began + 1.3 * estimate + 20 < args.time_budget else 0.0],
                           device=device)  # fmt: skip
@@ -248,7 +285,10 @@ def _run(rank, world_size, args):
             order = variants[step % len(variants) :] + variants[: step % len(variants)]
             for v in order:
                 mine = plan[v][0][rank]
-                microbatches = collator([[example(i) for i in mb] for mb in mine])
+                if v == "H":
+                    microbatches = padded_collator([padded_rows([example(i) for i in mb]) for mb in mine])
+                else:
+                    microbatches = collator([[example(i) for i in mb] for mb in mine])
                 model, optimizer, odc, _ = models[model_of[v]]
                 cp.enable_checkpointing(model, checkpointed[v])
                 rec = run_step(model, optimizer, odc, microbatches, global_labels, device, clock)
@@ -290,7 +330,7 @@ def _run(rank, world_size, args):
 def _predicted(plan_entry: dict, variant: str) -> tuple[float, float]:
     """(predicted step compute seconds, predicted bubble) of one variant's plan: FSDP semantics for A and B."""
     plan = plan_entry[variant][1]
-    semantics = "fsdp" if variant in ("A", "B") else "odc"
+    semantics = "fsdp" if variant in LOCKSTEP_VARIANTS else "odc"
     return plan.predicted_time(semantics), plan.predicted_bubble(semantics)
 
 
@@ -328,7 +368,7 @@ def analyse(payload: dict) -> list[dict]:
             bubble = None
             if own_busy is not None:
                 bubble = _median(1 - statistics.mean(own_busy[s]) / step[v][s] for s in measured)
-            kind = payload.get("model_of", {}).get(v, "fsdp" if v in ("A", "B") else "odc")
+            kind = payload.get("model_of", {}).get(v, "fsdp" if v in LOCKSTEP_VARIANTS else "odc")
             transient = max(
                 r["transient_bytes"] for r in cfg["records"] if r["variant"] == v and r["step"] >= warm
             )
@@ -353,7 +393,7 @@ def analyse(payload: dict) -> list[dict]:
                 ],  # fmt: skip
             }
         ratios = {}
-        for base, cand in (("B", "D"), ("B", "C"), ("C", "D"), ("A", "B"), ("A", "D")):
+        for base, cand in (("B", "D"), ("B", "C"), ("C", "D"), ("A", "B"), ("A", "D"), ("H", "B"), ("H", "D")):
             if base in rows and cand in rows:
                 measured_ratio = statistics.median(step[base][s] / step[cand][s] for s in measured)
                 predicted = sum(cfg["predicted"][base][s][0] + opt_ref for s in measured) / sum(
@@ -800,12 +840,15 @@ def main(argv=None) -> None:
         help="explicit order, e.g. longalign:4:ABCD,balanced:4,longalign:2 (optional :VARIANTS overrides "
         "--variants/--all-variants-at for that config)",
     )
-    parser.add_argument("--variants", default="A,B,C,D")
+    parser.add_argument("--variants", default="A,B,C,D,H")
+    parser.add_argument("--hf-per-device", type=int, default=2,
+                        help="H (A_hf): per_device_train_batch_size of batch_rebalance; gradient accumulation = "
+                             "samples per rank / this")  # fmt: skip
     parser.add_argument(
         "--all-variants-at",
         type=_ints,
         default=[4],
-        help="samples per rank at which A and C run too (B and D always run)",
+        help="samples per rank at which A, C and H run too (B and D always run)",
     )
     parser.add_argument("--steps", type=int, default=10, help="measured steps per config")
     parser.add_argument(

@@ -9,7 +9,8 @@ FSDP = Σ over microbatch index of the slowest rank, ODC = the busiest rank's to
     python benchmarks/simulate.py --workload longalign --calibration calib.json   # {"a","b","c"} or timings
 
 Several nodes (ODC-HSDP vs FSDP2-HSDP vs FSDP2 full sharding, with an inter-node communication model):
-``python benchmarks/simulate.py multinode [...]``, see simulate_multinode.py.
+``python benchmarks/simulate.py multinode [...]``, see simulate_multinode.py; ``python benchmarks/simulate.py
+rebalance [...]``: odc_hf vs transformers' batch_rebalance, see simulate_rebalance.py.
 """
 
 from __future__ import annotations
@@ -203,6 +204,10 @@ def main(argv=None) -> None:
         from simulate_multinode import main as multinode_main
 
         return multinode_main(argv[1:])
+    if argv[:1] == ["rebalance"]:
+        from simulate_rebalance import main as rebalance_main
+
+        return rebalance_main(argv[1:])
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

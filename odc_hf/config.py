@@ -78,6 +78,9 @@ class ODCConfig:
             cross-entropy). ``auto``: when ``liger-kernel`` is installed (``pip install odc_hf[kernels]``) and
             training runs on CUDA; ``liger``: required (clear error otherwise; ``use_liger_kernel=True`` in the
             training arguments means the same); ``none``: off.
+        plan_ahead: plan this many optimizer steps ahead in a background thread of the data loader (0: plan each
+            step when the loader asks for it). Planning 65,536 samples over 1,024 ranks takes 0.1-0.4 s; ahead, it
+            overlaps the training step instead of delaying it. Same plans either way.
     """
 
     enabled: bool = True
@@ -96,6 +99,7 @@ class ODCConfig:
     attention: str = "auto"
     grpo_layout: str = "auto"
     global_batch_size: int | None = None
+    plan_ahead: int = 0
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:
@@ -135,6 +139,8 @@ class ODCConfig:
             math.isfinite(self.device_memory_gib) and self.device_memory_gib > 0
         ):
             raise ValueError(f"device_memory_gib must be a finite number > 0, got {self.device_memory_gib}")
+        if isinstance(self.plan_ahead, bool) or int(self.plan_ahead) != self.plan_ahead or self.plan_ahead < 0:
+            raise ValueError(f"plan_ahead must be an integer >= 0 (optimizer steps planned ahead), got {self.plan_ahead!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.attention not in ATTENTION_CHOICES:

@@ -31,9 +31,11 @@ class EstimateError(ValueError):
 
 def load_rows(name: str, *, split: str, config_name: str | None):
     """A ``datasets.Dataset`` from a local file, a saved dataset folder, a folder of data files, or the hub."""
+    path = Path(name)
+    if path.is_file() and path.suffix in BUILDERS and _is_empty_text_file(path):  # datasets: a bare StopIteration
+        raise EstimateError(f"--dataset {name}: the file is empty (no rows); give a file with one sample per row")
     import datasets
 
-    path = Path(name)
     try:
         if path.is_file():
             builder = BUILDERS.get(path.suffix)
@@ -57,6 +59,17 @@ def load_rows(name: str, *, split: str, config_name: str | None):
             f"--dataset {name!r} (split {split!r}) could not be loaded: {type(err).__name__}: {err}. "
             "A hub name needs network access (or the hub cache); otherwise pass a local file or --lengths"
         ) from None
+
+
+def _is_empty_text_file(path: Path) -> bool:
+    """A text-format data file (.jsonl/.json/.csv/.txt) holding nothing but whitespace."""
+    if path.suffix not in (".jsonl", ".json", ".csv", ".txt"):
+        return False
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def load_tokenizer(name: str):
@@ -98,6 +111,8 @@ def dataset_lengths(
 ) -> np.ndarray:  # fmt: skip
     """Token count of every row (the first ``max_samples``), with a progress bar while tokenizing."""
     rows = load_rows(name, split=split, config_name=config_name)
+    if len(rows) == 0:
+        raise EstimateError(f"--dataset {name!r} (split {split!r}) has no rows")
     if max_samples is not None:
         rows = rows.select(range(min(max_samples, len(rows))))
     column = pick_column(list(rows.column_names), column)

@@ -81,7 +81,41 @@ def zero_rank_on_first_step(sampler_cls):
     return ZeroRankOnFirstStep
 
 
-def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: str | None) -> dict:
+def slow_planner(sampler_cls, seconds: float):
+    """An artificially slow planner: every plan takes ``seconds`` more (what 65,536 samples over 1,024 ranks cost)."""
+    import time
+
+    class SlowPlanner(sampler_cls):
+        def plan(self, step):
+            time.sleep(seconds)
+            return super().plan(step)
+
+    return SlowPlanner
+
+
+def step_gaps_callback():
+    """A TrainerCallback recording the seconds between one step's end and the next one's begin: where the Trainer
+    fetches the next bundle (and plans it, unless it was planned ahead)."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class StepGaps(TrainerCallback):
+        def __init__(self):
+            self.gaps, self._end = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self._end is not None:
+                self.gaps.append(time.perf_counter() - self._end)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self._end = time.perf_counter()
+
+    return StepGaps()
+
+
+def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: str | None,
+            slow_plan_s: float = 0.0, plan_ahead: int = 0) -> dict:  # fmt: skip
     import os
 
     from odc_hf import ODCConfig, ODCSFTTrainer
@@ -97,15 +131,22 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
     if zero_rank_first_step:
         trainer_cls = type("ZeroFirstODCSFTTrainer", (ODCSFTTrainer,),
                            {"odc_sampler_class": zero_rank_on_first_step(ODCSFTTrainer.odc_sampler_class)})  # fmt: skip
+    if slow_plan_s:
+        trainer_cls = type("SlowPlanODCSFTTrainer", (trainer_cls,),
+                           {"odc_sampler_class": slow_planner(trainer_cls.odc_sampler_class, slow_plan_s)})  # fmt: skip
     saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
     args = sft_config(out, per_device_train_batch_size=MINIBATCH // world, **saving)
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset(tokenizer),
                           processing_class=tokenizer,
-                          odc_config=ODCConfig(balance="lb_mini", max_tokens_per_microbatch=BUDGET, timeout_s=300))  # fmt: skip
+                          odc_config=ODCConfig(balance="lb_mini", max_tokens_per_microbatch=BUDGET, timeout_s=300,
+                                               plan_ahead=plan_ahead))  # fmt: skip
+    gaps = step_gaps_callback()
+    trainer.add_callback(gaps)
     trainer.train(resume_from_checkpoint=resume)
     mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)  # fully_shard's (HSDP: 2-D)
     result = {"history": trainer_history(trainer), "microbatches": [s.microbatches for s in trainer.odc_stats.steps],
-              "odc": trainer.odc is not None, "world": trainer.accelerator.num_processes,
+              "odc": trainer.odc is not None, "world": trainer.accelerator.num_processes, "step_gaps_s": gaps.gaps,
+              "step_s": [s.step_s for s in trainer.odc_stats.steps],
               "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}}  # fmt: skip
     if trainer.odc is not None:
         trainer.odc.close()  # a trainer resumed in the same processes installs its own
@@ -143,7 +184,15 @@ def main(argv=None) -> None:
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--then_resume_from", type=int, default=0, help="then resume a fresh trainer from this step")
+    p.add_argument("--slow_plan_s", type=float, default=0.0,
+                   help="make every plan this much slower, and run twice: planned inline, then one step ahead")
     args = p.parse_args(argv)
+    if args.slow_plan_s:
+        for ahead in (0, 1):
+            result = run_odc(args.out / f"ahead{ahead}", zero_rank_first_step=False, save_steps=0, resume=None,
+                             slow_plan_s=args.slow_plan_s, plan_ahead=ahead)  # fmt: skip
+            _write(args.out / f"ahead{ahead}", result)
+        return
     if args.trainer == "odc":
         result = run_odc(args.out, zero_rank_first_step=args.zero_rank_first_step, save_steps=args.save_steps,
                          resume=args.resume_from_checkpoint)  # fmt: skip

@@ -7,7 +7,13 @@ from hypothesis import strategies as st
 
 from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel, TokenCostModel
 from odc_hf.balance.plan import Plan
-from odc_hf.balance.planner import makespan_lower_bound, plan_lb_micro, plan_lb_mini, plan_none
+from odc_hf.balance.planner import (
+    FALLBACK_SKIP_TOLERANCE,
+    makespan_lower_bound,
+    plan_lb_micro,
+    plan_lb_mini,
+    plan_none,
+)
 from odc_hf.workloads import qwen2_5_config
 
 COST_MODELS = {
@@ -66,7 +72,10 @@ def test_lb_mini_odc_makespan_never_exceeds_lb_micro_fsdp(instance):
     lengths, world_size, budget, cost_model = instance
     mini = plan_lb_mini(lengths, world_size, budget, cost_model)
     micro = plan_lb_micro(lengths, world_size, budget, cost_model)
-    assert mini.predicted_odc_time <= micro.predicted_fsdp_time
+    # LB-Mini skips its LB-Micro candidate once within FALLBACK_SKIP_TOLERANCE (1e-4) of the makespan bound (issue 30:
+    # that candidate was half of its planning time at 1,024 ranks), so LB-Micro may be ahead by that much at most;
+    # hypothesis found 1 ulp (297, 442, 3448 tokens on one rank, a = 0.1: both at the bound, summed in another order)
+    assert mini.predicted_odc_time <= micro.predicted_fsdp_time * (1 + FALLBACK_SKIP_TOLERANCE)
 
 
 _PLANS_IN_A_FRESH_INTERPRETER = """

@@ -1,5 +1,7 @@
 """ODCBatchSampler: each sample once per epoch, identical plans on every rank, resumable."""
 
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -137,3 +139,39 @@ def test_constructor_rejects_bad_arguments():
         )
     with pytest.raises(ValueError, match="minibatch_size"):
         ODCBatchSampler([10], world_size=1, rank=0, minibatch_size=0, max_tokens_per_microbatch=BUDGET)
+
+
+class SlowSampler(ODCBatchSampler):
+    """An artificially slow planner: every plan takes PLAN_S more (what 65,536 samples over 1,024 ranks cost)."""
+
+    PLAN_S = 0.3
+
+    def plan(self, step):
+        time.sleep(self.PLAN_S)
+        return super().plan(step)
+
+
+def test_plan_ahead_gives_the_same_bundles_and_takes_planning_off_the_critical_path():
+    """With plan_ahead=1, a step's plan is made while the previous step trains: asking for the next bundle costs no
+    planning time (measured: < 0.05 s against 0.3 s of planning; the bound leaves room for a loaded machine)."""
+    lengths = np.random.default_rng(1).integers(10, 500, size=96)
+    args = dict(world_size=2, minibatch_size=16, max_tokens_per_microbatch=512, seed=3)
+    inline = [list(ODCBatchSampler(lengths, rank=1, **args))]
+    ahead = SlowSampler(lengths, rank=1, plan_ahead=1, **args)
+    waits, got = [], []
+    it = iter(ahead)
+    for _ in range(len(ahead)):
+        start = time.perf_counter()
+        got.append(next(it))
+        waits.append(time.perf_counter() - start)
+        time.sleep(2 * SlowSampler.PLAN_S)  # the training step, longer than a plan
+    assert got == inline[0]
+    assert waits[0] >= SlowSampler.PLAN_S  # the first plan has nothing to overlap
+    assert max(waits[1:]) < SlowSampler.PLAN_S / 2, waits
+    state = ahead.state_dict()  # resuming counts the steps handed out, not the ones planned ahead
+    assert state["step"] == len(ahead)
+    partial = SlowSampler(lengths, rank=1, plan_ahead=2, **args)
+    first_two = [b for _, b in zip(range(2), partial)]
+    assert first_two == inline[0][:2] and partial.state_dict()["step"] == 2
+    with pytest.raises(ValueError, match="plan_ahead must be an integer >= 0"):
+        ODCBatchSampler(lengths, rank=0, plan_ahead=-1, **args)

@@ -12,6 +12,7 @@ The adapter never sees peft: it reads ``requires_grad`` only. The test builds th
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,6 +142,13 @@ def _run_lora(rank, world_size, variant):
     record["gather_only_bytes"] = [
         odc.transport.nbytes(u.id).accumulator for u in odc.units if u.spec.gather_only
     ]
+    # what the benchmarks count per unit (UnitSpec.device_bytes) against this rank's buffers: staging + the owner's
+    # accumulator shard (the CPU transport's other slots are the senders', the GPU transport has none)
+    record["device_bytes"] = [
+        (u.spec.device_bytes, odc.transport.nbytes(u.id).staging
+         + (0 if u.spec.gather_only else odc.transport.accumulated(u.id).nbytes))
+        for u in odc.units
+    ]  # fmt: skip
     if variant == "fp32":
         _check_publishes_frozen_once(odc)
     odc.close()
@@ -239,6 +247,22 @@ def test_accumulators_hold_exactly_the_trainable_shards(runs):
             # embed_tokens alone, and the tail [norm, lm_head]: nothing trainable, no accumulator at all
             assert len(gather_only) == 2 and any("embed_tokens" in n for n in gather_only), gather_only
             assert got["gather_only_bytes"] == [0] * len(gather_only)
+            counted, measured = zip(*got["device_bytes"])
+            assert counted == measured, variant  # frozen units: staging only (was shard_numel * (itemsize + 4))
+
+
+def test_benchmarks_count_odc_buffers_as_the_transport_allocates_them():
+    """Frozen (LoRA) units are gather-only: the benchmarks' ODC buffer bytes leave their fp32 accumulator out."""
+    from odc_hf.transport import UnitSpec
+
+    trainable = UnitSpec(name="t", shard_numel=1000, param_dtype=torch.bfloat16)
+    frozen = UnitSpec(name="f", shard_numel=1000, param_dtype=torch.bfloat16, accum_numel=0)
+    mixed = UnitSpec(name="m", shard_numel=1000, param_dtype=torch.bfloat16, accum_numel=24)  # LoRA A/B in a block
+    assert (trainable.device_bytes, frozen.device_bytes, mixed.device_bytes) == (6000, 2000, 2096)
+    root = Path(__file__).resolve().parents[1]
+    for script in ("fsdp_parity.py", "sft_e2e.py"):
+        text = (root / "benchmarks" / script).read_text()
+        assert "u.spec.device_bytes for u in odc.units" in text and "itemsize + 4" not in text, script
 
 
 def test_trainable_param_unused_in_some_microbatches(runs):

@@ -28,17 +28,28 @@ def test_sft_e2e_benchmark_smoke(tmp_path):
     (first,) = tmp_path.glob("sft_e2e_cpu_*_a.json")
     payload = json.loads(first.read_text())
     (config,) = payload["analysis"]
-    assert set(config["variants"]) == {"A", "B", "C", "D"}
+    assert set(config["variants"]) == {"A", "B", "C", "D", "H"}
     records = payload["configs"][0]["records"]
     assert {r["rank"] for r in records} == {0, 1} and {r["step"] for r in records} == {0, 1}
     by = {(r["variant"], r["step"], r["rank"]): r for r in records}
     for rank in (0, 1):  # B and C run the same LB-Micro plan: same documents in the same microbatches
         assert by["B", 1, rank]["mb_docs"] == by["C", 1, rank]["mb_docs"]
-        assert len(by["A", 1, rank]["mb_docs"]) == len(by["A", 1, 1 - rank]["mb_docs"])  # FSDP2: equal counts
-    step_docs = sorted(d for v in "ABCD" for r in (0, 1) for mb in by[v, 1, r]["mb_docs"] for d in mb)
+        for v in "AH":  # FSDP2: equal counts
+            assert len(by[v, 1, rank]["mb_docs"]) == len(by[v, 1, 1 - rank]["mb_docs"])
+    step_docs = sorted(d for v in "ABCDH" for r in (0, 1) for mb in by[v, 1, r]["mb_docs"] for d in mb)
     assert step_docs == sorted(
-        payload["configs"][0]["lengths"][1] * 4
+        payload["configs"][0]["lengths"][1] * 5
     )  # every variant trains every sample once
+    # H (A_hf) runs the microbatches transformers' BatchRebalanceSampler gives (2 samples per rank, per-device 2:
+    # one microbatch each), read from transformers itself
+    hf = pytest.importorskip("odc_hf.hf_rebalance")
+    if hf.available()[0]:
+        import numpy as np
+
+        step1 = np.minimum(payload["configs"][0]["lengths"][1], 256)
+        plan = hf.rebalance_plan(step1, 2, 1)
+        for rank in (0, 1):
+            assert by["H", 1, rank]["mb_docs"] == [[int(step1[i]) for i in mb] for mb in plan[rank]]
     raws = sorted(str(p) for p in tmp_path.glob("sft_e2e_cpu_*.raw.json"))
     merged_dir = tmp_path / "merged"
     proc = subprocess.run([sys.executable, script, "--report-only", ",".join(raws), "--out", str(merged_dir)],

@@ -48,3 +48,14 @@ def test_attention_default_matches_the_attention_module():
 
     assert ODCConfig().attention_shape_bucket == DEFAULT_SHAPE_BUCKET == VarlenAttention().shape_bucket
     assert ODCConfig().attention_varlen_kernel is VarlenAttention().varlen_kernel
+
+
+def test_plan_ahead_reaches_odcconfig_and_is_checked():
+    from odc_hf import ODCSFTConfig
+
+    args = ODCSFTConfig(output_dir="out_unused", report_to="none", bf16=False, odc_plan_ahead=1)
+    assert odc_config_from_args(args, environ={}).plan_ahead == 1
+    assert ODCConfig.from_env({"ODC_PLAN_AHEAD": "2"}).plan_ahead == 2
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="plan_ahead must be an integer >= 0"):
+            ODCConfig(plan_ahead=bad)

@@ -12,7 +12,9 @@ each minibatch's plan is a pure function of its samples' lengths.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -43,6 +45,9 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
             is planned too (ranks may get empty bundles when it has fewer samples than ranks).
         truncate: plan over-budget samples as budget-long (the collator must truncate them, see
             ``odc_hf.integrations.bundle.BundleCollator(truncate=True)``); otherwise they raise a ValueError here.
+        plan_ahead: plan this many steps ahead in a background thread, so a step's plan is ready when training asks
+            for it (planning 65,536 samples over 1,024 ranks takes 0.1-0.4 s on one core). The plans are the same:
+            each is a pure function of its step's samples. 0: plan each step when it is asked for.
     """
 
     def __init__(
@@ -59,8 +64,12 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
         shuffle: bool = True,
         drop_last: bool = True,
         truncate: bool = False,
+        plan_ahead: int = 0,
     ):
         super().__init__()
+        if int(plan_ahead) != plan_ahead or plan_ahead < 0:
+            raise ValueError(f"plan_ahead must be an integer >= 0 (steps planned ahead), got {plan_ahead}")
+        self.plan_ahead = int(plan_ahead)
         for name, value in (("world_size", world_size), ("minibatch_size", minibatch_size)):
             if int(value) != value or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
@@ -120,9 +129,36 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
 
     def __iter__(self) -> Iterator[list[list[int]]]:
         start, self._start_step = self._start_step, 0
-        for step in range(start, len(self)):
-            self._next_step = step + 1
-            yield self.plan(step).for_rank(self.rank)
+        if self.plan_ahead == 0:
+            for step in range(start, len(self)):
+                self._next_step = step + 1
+                yield self.plan(step).for_rank(self.rank)
+            return
+        # One worker thread plans steps in order, up to plan_ahead beyond the one handed out; numpy releases the GIL
+        # in its array work, so planning overlaps the training step that runs meanwhile.
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odc-plan-ahead")
+        pending: deque = deque()
+        upcoming = iter(range(start, len(self)))
+        try:
+            for step in upcoming:
+                pending.append((step, pool.submit(self._plan_for_rank, step)))
+                if len(pending) > self.plan_ahead:
+                    break
+            while pending:
+                step, future = pending.popleft()
+                plan = future.result()
+                following = next(upcoming, None)
+                if following is not None:
+                    pending.append((following, pool.submit(self._plan_for_rank, following)))
+                self._next_step = step + 1
+                yield plan
+        finally:
+            for _, future in pending:
+                future.cancel()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _plan_for_rank(self, step: int) -> list[list[int]]:
+        return self.plan(step).for_rank(self.rank)
 
     def state_dict(self) -> dict:
         """Epoch and the number of steps already handed out in it (for resuming mid-epoch).

@@ -71,6 +71,9 @@ class ODCArguments:
         "ODC: samples per optimizer step, all ranks together; unset: per_device_train_batch_size x "
         "gradient_accumulation_steps x processes. Set it to resume on a different number of GPUs with the same "
         "batch (SFT / Trainer only)")})  # fmt: skip
+    odc_plan_ahead: int | None = field(default=None, metadata={"help": (
+        "ODC: optimizer steps planned ahead in a background thread of the data loader, so planning overlaps "
+        "training (0: plan when asked; default 0)")})  # fmt: skip
 
 
 @dataclasses.dataclass

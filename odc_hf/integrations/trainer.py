@@ -254,7 +254,7 @@ class ODCMixin:
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_global_batch_size,
             max_tokens_per_microbatch=budget, mode=self.odc_config.balance, cost_model=self._odc_cost_model(),
             seed=self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last,
-            truncate=self.odc_config.truncate,
+            truncate=self.odc_config.truncate, plan_ahead=self.odc_config.plan_ahead,
         )  # fmt: skip
         pad = getattr(self.processing_class, "pad_token_id", None)
         collator = TrainerBundleCollator(max_tokens_per_microbatch=budget, truncate=self.odc_config.truncate,

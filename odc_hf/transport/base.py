@@ -76,6 +76,13 @@ class UnitSpec:
     def gather_only(self) -> bool:
         return self.accum_numel == 0
 
+    @property
+    def device_bytes(self) -> int:
+        """Bytes one rank holds for this unit on the GPU transport: its staging shard (``param_dtype``) plus its
+        fp32 accumulator shard, none for a gather-only (frozen) unit, only the trainable part for a mixed one.
+        What the benchmarks report as ODC's buffers (before alignment: at most 511 bytes more per unit)."""
+        return self.shard_numel * self.param_dtype.itemsize + self.accum_numel * self.accum_dtype.itemsize
+
 
 @dataclass(frozen=True)
 class UnitBytes:
