@@ -266,3 +266,21 @@ def test_oom_names_the_policy_and_prediction():
 
 
 assert VOCAB  # fsdp_helpers' tiny vocabulary: every id below is valid
+
+
+def test_calibration_copies_of_a_two_layer_model_build_with_four_layers():
+    """calibrate_memory builds 2- and 4-layer copies of the model's architecture; a 2-layer model's ``layer_types``
+    has 2 entries, and transformers' constructor indexes it per layer (seen on one H200: IndexError in every
+    one-process CUDA run of a 2-layer model)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from odc_hf.integrations.compute_path import config_with_layers
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    assert len(config.layer_types) == 2
+    for layers in (1, 2, 4):
+        copy = config_with_layers(config, layers)
+        assert copy.num_hidden_layers == layers and len(copy.layer_types) == layers
+        assert len(Qwen2ForCausalLM(copy).model.layers) == layers
+    assert config.num_hidden_layers == 2 and len(config.layer_types) == 2  # the model's own config is untouched

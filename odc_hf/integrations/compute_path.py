@@ -267,6 +267,18 @@ def _peak_bytes(model, tokens: int, loss: str, device: torch.device) -> float:
     return float(peak)
 
 
+def config_with_layers(config, layers: int):
+    """A copy of ``config`` with ``layers`` decoder layers. Per-layer lists that transformers derives from the layer
+    count at construction (``layer_types``: full / sliding attention) are cut or repeated to match; a 2-layer model's
+    config asked for 4 layers would otherwise fail in the model's constructor (IndexError, transformers 5.17)."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        config.layer_types = [kinds[i % len(kinds)] for i in range(layers)]
+    return config
+
+
 def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: str, tokens: int,
                      kernel_config: dict | None = None) -> MemoryModel:  # fmt: skip
     """Per-token memory terms of ``model``'s architecture on ``device`` (CUDA), with the run's kernels and loss.
@@ -285,8 +297,7 @@ def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: s
     t1 = t2 // 2
     slopes, workspace = {}, 0.0
     for layers in CALIBRATION_LAYERS:
-        config = copy.deepcopy(model.config)
-        config.num_hidden_layers = layers
+        config = config_with_layers(model.config, layers)
         with torch.random.fork_rng(devices=[device]), torch.device(device):
             torch.manual_seed(0)
             small = type(model)(config).to(dtype)
