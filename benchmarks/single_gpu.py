@@ -21,11 +21,12 @@ SFT variants (Qwen2.5-1.5B shape from a config, random init, bf16 autocast, fp32
   (``flash_attention_4`` when installed, else ``sdpa``);
 - **T+**: T plus ``use_liger_kernel=True`` and no gradient checkpointing (needs liger-kernel; else only no GC);
 - **O**: ``ODCSFTTrainer`` with its defaults (compute path: fused head, Liger when installed, auto activation
-  checkpointing) and ``sdpa_varlen``; **O_fa4**: the same on ``flash_attention_4`` when installed;
+  checkpointing; ``ODCConfig.attention="auto"``: ``flash_attention_4`` where it runs, else ``sdpa_varlen``; the
+  report's attention column is what ``auto`` resolved to); **O_sdpa**: the same with ``attention="sdpa_varlen"``;
 - **T2**: T again with the same seed: the bf16 run-to-run noise that per-step losses are compared against.
 
 Each variant runs in its own process, forked from this one after the imports (no re-import; a clean CUDA context and
-no Liger patches left by another variant), in the order T, O, T+, O_fa4, T2 (interleaved: every other run is TRL's).
+no Liger patches left by another variant), in the order T, O, T+, O_sdpa, T2 (interleaved: every other run is TRL's).
 Per step: seconds over the whole step (all microbatches, clipping, optimizer; ``cuda.synchronize`` at both ends;
 data loading excluded for all), tokens, loss, and the peak allocated memory. Tokens/s: the step group's tokens over
 the step seconds, steps after ``--warmup`` (the first steps carry compilation: FA4's, cuDNN's plans); the
@@ -77,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30, help="SFT steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of tokens/s")
     p.add_argument("--rows_per_step", type=int, default=2, help="TRL packed rows per step (gradient accumulation)")
-    p.add_argument("--variants", default="T,O,T+,O_fa4,T2", help="SFT variants, in run order")
+    p.add_argument("--variants", default="T,O,T+,O_sdpa,T2", help="SFT variants, in run order")
     p.add_argument("--lora_steps", type=int, default=10)
     p.add_argument("--grpo_steps", type=int, default=4, help="training-phase steps (fixed rollouts) per trainer")
     p.add_argument("--grpo_generate_steps", type=int, default=2, help="steps with generate() per trainer")
@@ -303,12 +304,16 @@ def run_sft_variant(args, variant: str, data: dict, out: Path, *, peft: bool = F
     else:
         from odc_hf import ODCConfig
 
-        attention = "flash_attention_4" if variant == "O_fa4" else "sdpa_varlen"
-        m = model(args, attention)
+        # O: the ODC trainer's defaults (ODCConfig.attention="auto": FlashAttention-4 where it runs, else
+        # sdpa_varlen); O_sdpa: sdpa_varlen forced. The model is built on sdpa_varlen either way; "auto" replaces it.
+        choice = "sdpa_varlen" if variant == "O_sdpa" else "auto"
+        m = model(args, "sdpa_varlen")
         cls = odc_sft_trainer(data["groups"])
         trainer = cls(model=m, args=sft_args(args, out, trl=False, max_length=data["max_length"], steps=steps, **saving),
                       train_dataset=Dataset.from_dict({"input_ids": data["ids"]}), processing_class=tokenizer(),
-                      odc_config=ODCConfig(max_tokens_per_microbatch=data["max_length"]), **extra)  # fmt: skip
+                      odc_config=ODCConfig(max_tokens_per_microbatch=data["max_length"], attention=choice),
+                      **extra)  # fmt: skip
+        attention = (trainer.odc_attention or {}).get("implementation", choice)
         path = None
     trainer.add_callback(clock)
     start = time.perf_counter()
@@ -443,7 +448,7 @@ def run_parts(args) -> dict:
     runs = Path(args.out) / "single_gpu_runs"
     payload = {"env": args.env, "args": {k: v for k, v in vars(args).items()},
                "fa4": fa4_available(), "liger": liger_available(), "parts": {}}  # fmt: skip
-    variants = [v for v in args.variants.split(",") if v != "O_fa4" or fa4_available()]
+    variants = args.variants.split(",")
     for part in args.parts:
         results = payload["parts"][part] = {}
         if part in SFT_PARTS:
