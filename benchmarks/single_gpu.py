@@ -23,11 +23,16 @@ SFT variants (Qwen2.5-1.5B shape from a config, random init, bf16 autocast, fp32
 - **O**: ``ODCSFTTrainer`` with its defaults (compute path: fused head, Liger when installed, auto activation
   checkpointing; ``ODCConfig.attention="auto"``: ``flash_attention_4`` where it runs, else ``sdpa_varlen``; the
   report's attention column is what ``auto`` resolved to); **O_sdpa**: the same with ``attention="sdpa_varlen"``;
-- **T2**: T again with the same seed: the bf16 run-to-run noise that per-step losses are compared against.
+- **T2**: T again with the same seed: the bf16 run-to-run noise that per-step losses are compared against;
+- diagnostics, the CUDA caching allocator's setting only: **O_noexp**: O with ``ODC_EXPANDABLE_SEGMENTS=0`` (torch's
+  default allocator, as before odc_hf asked for expandable segments); **T+x**: T+ with
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (TRL given the same allocator setting as O).
 
 Each variant runs in its own process, forked from this one after the imports (no re-import; a clean CUDA context and
 no Liger patches left by another variant), in the order T, O, T+, O_sdpa, T2 (interleaved: every other run is TRL's).
-Per step: seconds over the whole step (all microbatches, clipping, optimizer; ``cuda.synchronize`` at both ends;
+The CUDA allocator's setting is recorded per variant (T as users run TRL: torch's default; O: odc_hf's default,
+expandable segments, odc_hf/integrations/cuda_allocator.py), with its flush-and-retry count per step
+(``num_alloc_retries``). Per step: seconds over the whole step (all microbatches, clipping, optimizer; ``cuda.synchronize`` at both ends;
 data loading excluded for all), tokens, loss, and the peak allocated memory. Tokens/s: the step group's tokens over
 the step seconds, steps after ``--warmup`` (the first steps carry compilation: FA4's, cuDNN's plans); the
 warm-up steps are reported on their own.
@@ -70,6 +75,10 @@ PARTS = ("sft_longalign", "sft_tulu", "lora", "grpo", "resume")
 GIB = 1024**3
 # per part: workload, TRL max_length (= ODC's token budget), packed rows per step, samples drawn
 SFT_PARTS = {"sft_longalign": ("longalign", 32768), "sft_tulu": ("tulu", 16384)}
+SFT_VARIANTS = ("T", "O", "T+", "O_sdpa", "T2", "O_noexp", "T+x")
+EXPANDABLE = "expandable_segments:True"
+# variants that differ only in the CUDA caching allocator's setting (set in their child before CUDA starts)
+ALLOCATOR_VARIANTS = {"O_noexp": {"ODC_EXPANDABLE_SEGMENTS": "0"}, "T+x": {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}}
 
 
 def parse_args(argv=None):
@@ -78,7 +87,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30, help="SFT steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of tokens/s")
     p.add_argument("--rows_per_step", type=int, default=2, help="TRL packed rows per step (gradient accumulation)")
-    p.add_argument("--variants", default="T,O,T+,O_sdpa,T2", help="SFT variants, in run order")
+    p.add_argument("--variants", default="T,O,T+,O_sdpa,T2",
+                   help=f"SFT variants, in run order, from {', '.join(SFT_VARIANTS)}")
+    p.add_argument("--profile", type=int, default=0,
+                   help="profile this step of the --profile_variants (torch.profiler table under --out)")
+    p.add_argument("--profile_variants", default="O", help="comma list of SFT variants to profile")
     p.add_argument("--lora_steps", type=int, default=10)
     p.add_argument("--grpo_steps", type=int, default=4, help="training-phase steps (fixed rollouts) per trainer")
     p.add_argument("--grpo_generate_steps", type=int, default=2, help="steps with generate() per trainer")
@@ -93,6 +106,8 @@ def parse_args(argv=None):
     if unknown := set(parts) - set(PARTS):
         p.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     args.parts = parts
+    if unknown := set(args.variants.split(",")) - set(SFT_VARIANTS):
+        p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(SFT_VARIANTS)}")
     if args.smoke:
         args.model = args.model or "tiny"
         args.steps, args.warmup, args.lora_steps, args.grpo_steps, args.grpo_generate_steps = 2, 0, 2, 1, 1
@@ -176,6 +191,52 @@ def trl_groups(ids: list[list[int]], max_length: int, rows_per_step: int, steps:
     return order[:need], groups, row_lengths
 
 
+def allocator_setting() -> dict:
+    """The CUDA caching allocator's setting this child ran with (``PYTORCH_CUDA_ALLOC_CONF``) and whether its memory
+    sits in expandable segments (``torch.cuda.memory_snapshot()``)."""
+    import torch
+
+    setting = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if not torch.cuda.is_available():
+        return {"setting": setting}
+    segments = torch.cuda.memory_snapshot()
+    return {"setting": setting, "expandable_segments": any(seg.get("is_expandable") for seg in segments)}
+
+
+class Profile:
+    """A TrainerCallback profiling one step: CUDA and CPU operators, sorted by CUDA time, written as a table."""
+
+    @staticmethod
+    def make(path: Path, step: int):
+        import torch
+        from transformers import TrainerCallback
+
+        class ProfileStep(TrainerCallback):
+            profile = None
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step + 1 == step:
+                    activities = [torch.profiler.ProfilerActivity.CPU]
+                    if torch.cuda.is_available():
+                        activities.append(torch.profiler.ProfilerActivity.CUDA)
+                    self.profile = torch.profiler.profile(activities=activities)
+                    self.profile.__enter__()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if self.profile is not None:
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    self.profile.__exit__(None, None, None)
+                    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(self.profile.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+                                    + "\n\nby CPU time\n" + self.profile.key_averages().table(
+                                        sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))  # fmt: skip
+                    self.profile = None
+
+        return ProfileStep()
+
+
 class Clock:
     """A TrainerCallback (built in the child, where transformers is imported): seconds, peak memory and loss per step."""
 
@@ -194,20 +255,31 @@ class Clock:
                 if self.cuda:
                     torch.cuda.synchronize()
 
+            def _allocator(self) -> dict:
+                if not self.cuda:
+                    return {}
+                stats = torch.cuda.memory_stats()
+                return {"retries": stats.get("num_alloc_retries", 0), "mallocs": stats.get("num_device_alloc", 0)}
+
             def on_train_begin(self, args, state, control, **kwargs):
                 if self.cuda:
                     torch.cuda.reset_peak_memory_stats()
 
             def on_step_begin(self, args, state, control, **kwargs):
                 self._sync()
+                self.before = self._allocator()
                 self.t0 = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kwargs):
                 self._sync()
-                n = state.global_step
-                self.steps.append({"step": n, "seconds": time.perf_counter() - self.t0,
+                seconds = time.perf_counter() - self.t0
+                n, after = state.global_step, self._allocator()
+                self.steps.append({"step": n, "seconds": seconds,
                                    "tokens": step_tokens[n - 1] if 0 < n <= len(step_tokens) else None,
-                                   "peak_gib": torch.cuda.max_memory_allocated() / GIB if self.cuda else None})  # fmt: skip
+                                   "peak_gib": torch.cuda.max_memory_allocated() / GIB if self.cuda else None,
+                                   "reserved_peak_gib": torch.cuda.max_memory_reserved() / GIB if self.cuda else None,
+                                   # the caching allocator's flush-and-retry count and cudaMalloc calls in this step
+                                   **{k: after[k] - self.before.get(k, 0) for k in after}})  # fmt: skip
 
             def on_log(self, args, state, control, logs=None, **kwargs):
                 if logs and "loss" in logs:
@@ -278,6 +350,8 @@ def run_sft_variant(args, variant: str, data: dict, out: Path, *, peft: bool = F
     from datasets import Dataset
 
     steps = steps or len(data["groups"])
+    if variant in ALLOCATOR_VARIANTS:  # this child only (forked): before anything starts CUDA here
+        os.environ.update(ALLOCATOR_VARIANTS[variant])
     best = "flash_attention_4" if fa4_available() else "sdpa"
     liger = liger_available() and torch.cuda.is_available()
     extra = {"peft_config": lora_config()} if peft else {}
@@ -285,7 +359,8 @@ def run_sft_variant(args, variant: str, data: dict, out: Path, *, peft: bool = F
     clock = Clock.make(data["step_tokens"])
     torch.manual_seed(args.seed)  # TRL draws LoRA weights in __init__
     if variant.startswith("T"):
-        changes = {"use_liger_kernel": liger, "gradient_checkpointing": False} if variant == "T+" else {}
+        plus = variant.startswith("T+")
+        changes = {"use_liger_kernel": liger, "gradient_checkpointing": False} if plus else {}
         attention = best
         m = model(args, attention)
         from trl import SFTTrainer
@@ -299,28 +374,35 @@ def run_sft_variant(args, variant: str, data: dict, out: Path, *, peft: bool = F
         if got != data["row_lengths"]:
             raise RuntimeError("TRL packed the samples differently from trl_groups(): the step groups would differ")
         trainer.train_dataset = rows.select(data["row_order"])  # the seeded row order; sequential sampler
-        path = {"kernels": "liger" if variant == "T+" and liger else "none", "loss": "trl_fused_lm_head",
-                "activation_checkpointing": "none" if variant == "T+" else "full (TRL default)"}  # fmt: skip
+        path = {"kernels": "liger" if plus and liger else "none", "loss": "trl_fused_lm_head",
+                "activation_checkpointing": "none" if plus else "full (TRL default)"}  # fmt: skip
     else:
         from odc_hf import ODCConfig
 
         # O: the ODC trainer's defaults (ODCConfig.attention="auto": FlashAttention-4 where it runs, else
         # sdpa_varlen); O_sdpa: sdpa_varlen forced. The model is built on sdpa_varlen either way; "auto" replaces it.
         choice = "sdpa_varlen" if variant == "O_sdpa" else "auto"
+        # the arguments first, as docs/quickstart.md builds them: ODCSFTConfig asks for the CUDA allocator's
+        # expandable segments before anything starts CUDA (odc_hf/integrations/cuda_allocator.py)
+        odc_args = sft_args(args, out, trl=False, max_length=data["max_length"], steps=steps, **saving)
         m = model(args, "sdpa_varlen")
         cls = odc_sft_trainer(data["groups"])
-        trainer = cls(model=m, args=sft_args(args, out, trl=False, max_length=data["max_length"], steps=steps, **saving),
+        trainer = cls(model=m, args=odc_args,
                       train_dataset=Dataset.from_dict({"input_ids": data["ids"]}), processing_class=tokenizer(),
                       odc_config=ODCConfig(max_tokens_per_microbatch=data["max_length"], attention=choice),
                       **extra)  # fmt: skip
         attention = (trainer.odc_attention or {}).get("implementation", choice)
         path = None
     trainer.add_callback(clock)
+    profiling = args.profile and variant in args.profile_variants.split(",")
+    if profiling:
+        trainer.add_callback(Profile.make(Path(args.out) / f"profile_{out.parent.name}_{variant}.txt", args.profile))
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     wall = time.perf_counter() - start
     if path is None:
         path = trainer.odc_compute.describe() if trainer.odc_compute is not None else {}
+    path = {**path, "cuda_allocator": allocator_setting()}
     return {"variant": variant, "attention": attention, "compute_path": path, "train_wall_s": wall,
             "steps": clock.rows(), "peak_gib": max((s["peak_gib"] or 0 for s in clock.steps), default=None),
             "microbatches": [s.microbatches for s in getattr(trainer, "odc_stats", None).steps]
@@ -373,14 +455,16 @@ def run_grpo_variant(args, variant: str, out: Path, *, generate: bool) -> dict:
     tiny = args.model == "tiny"
     # fixed rollouts: completion lengths log-uniform up to 2048 (32x spread); generate(): a random model rarely
     # samples EOS, so every completion runs to the cap: 512 keeps those steps to seconds
-    high = 64 if tiny else (512 if generate else 2048)
+    high = 64 if tiny else (256 if generate else 2048)
     tok = tokenizer()
     tok.padding_side = "left"
     attention = "sdpa"  # TRL's padded GRPO rows carry an attention mask
     m = model(args, attention)
     steps = args.grpo_generate_steps if generate else args.grpo_steps
+    # generate(): one prompt x 8 completions per step (HF generate() of a 1.5B model: ~25 ms per token)
     config = GRPOConfig(output_dir=str(out), max_steps=steps, per_device_train_batch_size=4 if tiny else 8,
-                        gradient_accumulation_steps=2 if tiny else 4, num_generations=4 if tiny else 8,
+                        gradient_accumulation_steps=2 if tiny else (1 if generate else 4),
+                        num_generations=4 if tiny else 8,
                         max_completion_length=high, learning_rate=1e-6, lr_scheduler_type="constant", warmup_steps=0,
                         weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="dapo", seed=args.seed,
                         logging_steps=1, save_strategy="no", report_to="none", bf16=not tiny, disable_tqdm=True,
@@ -505,7 +589,10 @@ def summarise_variant(result: dict, warmup: int) -> dict:
             "median_step_s": _median([s["seconds"] for s in steps[warmup:]]),
             "warmup_step_s": [round(s["seconds"], 3) for s in steps[:warmup]],
             "peak_gib": result.get("peak_gib"), "steps": len(steps), "compute_path": result.get("compute_path"),
-            "attention": result.get("attention")}  # fmt: skip
+            "attention": result.get("attention"),
+            "reserved_peak_gib": max((s.get("reserved_peak_gib") or 0 for s in steps), default=None),
+            "alloc_retries": sum(s.get("retries") or 0 for s in steps[warmup:]),
+            "steps_with_retries": sum(1 for s in steps[warmup:] if s.get("retries"))}  # fmt: skip
 
 
 def loss_diffs(a: dict, b: dict) -> dict | None:
@@ -536,9 +623,13 @@ def analyse(payload: dict, warmup: int) -> dict:
                            "training phase (fixed rollouts)"} for k, v in summary.items()}  # fmt: skip
         ratios, losses = {}, {}
         base = summary.get("T", {}).get("tokens_per_s")
+        plus = summary.get("T+", {}).get("tokens_per_s")
         for name, s in summary.items():
             if base and s.get("tokens_per_s"):
                 ratios[f"{name}/T"] = s["tokens_per_s"] / base
+        for name, s in summary.items():  # the acceptance's second baseline: TRL with Liger and no checkpointing
+            if plus and name.startswith("O") and s.get("tokens_per_s"):
+                ratios[f"{name}/T+"] = s["tokens_per_s"] / plus
             if name != "T" and "T" in variants:
                 losses[f"{name} vs T"] = loss_diffs(variants[name], variants["T"])
         if part == "grpo":
@@ -574,16 +665,21 @@ def render(payload: dict, analysis: dict) -> str:
             lines += [f"| {s} | {_f(x, '.6f')} | {_f(y, '.6f')} |" for s, x, y in a["pairs"]]
             lines += ["", f"max relative difference: {_f(a['max_rel'], '.2e')}", ""]
             continue
-        lines += ["| variant | attention | compute path | tokens/s | median step s | warm-up steps s | peak GiB |",
-                  "|---|---|---|---:|---:|---|---:|"]  # fmt: skip
+        lines += ["| variant | attention | compute path | CUDA allocator | tokens/s | median step s | warm-up steps s | "
+                  "peak GiB (reserved) | allocator retries (steps with any) |",
+                  "|---|---|---|---|---:|---:|---|---:|---:|"]  # fmt: skip
         for name, s in a["summary"].items():
             if not s.get("ok"):
-                lines.append(f"| {name} | failed: {s.get('error')} | | | | | |")
+                lines.append(f"| {name} | failed: {s.get('error')} | | | | | | | |")
                 continue
             path = s.get("compute_path") or {}
+            alloc = path.get("cuda_allocator") or {}
+            kind = {True: "expandable segments", False: "default"}.get(alloc.get("expandable_segments"), "-")
             lines.append(f"| {name} | {s.get('attention') or '-'} | {path.get('kernels', '-')}, "
-                         f"{path.get('activation_checkpointing', '-')} | {_f(s['tokens_per_s'], '.0f')} | "
-                         f"{_f(s['median_step_s'])} | {s['warmup_step_s']} | {_f(s['peak_gib'], '.1f')} |")  # fmt: skip
+                         f"{path.get('activation_checkpointing', '-')} | {kind} | {_f(s['tokens_per_s'], '.0f')} | "
+                         f"{_f(s['median_step_s'])} | {s['warmup_step_s']} | {_f(s['peak_gib'], '.1f')} "
+                         f"({_f(s.get('reserved_peak_gib'), '.1f')}) | {s.get('alloc_retries', '-')} "
+                         f"({s.get('steps_with_retries', '-')}) |")  # fmt: skip
         lines += ["", "Ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in a["ratios"].items()), "",
                   "Per-step losses (max / median relative difference over steps): "
                   + ", ".join(f"{k}: {_f((v or {}).get('max_rel'), '.2e')} / {_f((v or {}).get('median_rel'), '.2e')}"
@@ -591,14 +687,16 @@ def render(payload: dict, analysis: dict) -> str:
         names = [n for n, v in payload["parts"][part].items() if isinstance(v, dict) and v.get("ok")]
         steps = max((len(payload["parts"][part][n]["steps"]) for n in names), default=0)
         if names and steps:
-            lines += ["| step | " + " | ".join(f"{n} loss | {n} s" for n in names) + " |",
+            lines += ["Per step: loss, seconds (and the CUDA allocator's flush-and-retry count where not 0).", "",
+                      "| step | " + " | ".join(f"{n} loss | {n} s" for n in names) + " |",
                       "|---:|" + "---:|---:|" * len(names)]  # fmt: skip
             for i in range(steps):
                 row = []
                 for n in names:
                     st = payload["parts"][part][n]["steps"]
                     s = st[i] if i < len(st) else {}
-                    row += [_f(s.get("loss"), ".5f"), _f(s.get("seconds"))]
+                    retries = f" ({s['retries']})" if s.get("retries") else ""  # the allocator's retries, if any
+                    row += [_f(s.get("loss"), ".5f"), _f(s.get("seconds")) + retries]
                 lines.append(f"| {i + 1} | " + " | ".join(row) + " |")
             lines.append("")
     return "\n".join(lines) + "\n"

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from odc_hf.integrations.cuda_allocator import prefer_expandable_segments
+
 SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -88,6 +90,7 @@ def relaunch_if_needed(
     if plan.config is None:
         for key, value in SAFE_GPU_ENV.items():
             os.environ.setdefault(key, value)
+        prefer_expandable_segments()
         return
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(Path(config_dir) / plan.config),
            "--num_processes", str(processes), script, *argv]  # fmt: skip
@@ -103,6 +106,8 @@ def launch_env(plan: LaunchPlan, environ=None) -> dict[str, str]:
         env["ACCELERATE_USE_CPU"] = "true"
     if plan.hide_cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if plan.device == "cuda":
+        prefer_expandable_segments(env, cuda_started=False)
     return env
 
 
@@ -132,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     target, rest = argv[0], argv[1:]
     check_target(target)  # before the imports below (seconds) and before the target loads and tokenizes
+    try:
+        prefer_expandable_segments()  # before anything starts CUDA in this process (odc_hf/integrations/cuda_allocator.py)
+    except ValueError as err:
+        raise SystemExit(f"odc_hf.run: {err}") from None
     from odc_hf.config import ODCConfig
 
     try:

@@ -51,10 +51,13 @@ def run(trainer_name: str, out: Path, *, attn: str, bf16: bool, peft: bool, save
     from odc_hf.data import default_tokenizer
 
     tokenizer = default_tokenizer()
+    saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
+    if trainer_name == "odc":  # the ODC config, built before anything starts CUDA, as docs/quickstart.md does
+        from odc_hf import ODCSFTConfig
+
+        args = sft_runs.sft_config(out, config_class=ODCSFTConfig, bf16=bf16, **saving)
     model = _model(tokenizer, attn, head_dim)
     data = sft_runs.dataset(tokenizer)
-    saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
-    args = sft_runs.sft_config(out, bf16=bf16, **saving)
     extra = {"peft_config": _lora()} if peft else {}
     torch.manual_seed(0)  # TRL draws the LoRA weights in __init__, before the Trainer seeds
     if trainer_name == "odc":
@@ -76,6 +79,9 @@ def run(trainer_name: str, out: Path, *, attn: str, bf16: bool, peft: bool, save
     if trainer_name == "odc":
         result["compute_path"] = trainer.odc_compute.describe() if trainer.odc_compute is not None else None
         result["microbatches"] = [s.microbatches for s in trainer.odc_stats.steps]
+        result["cuda_allocator"] = trainer.odc_cuda_allocator
+        result["cuda_alloc_retries"] = [h.get("odc/cuda_alloc_retries") for h in trainer.state.log_history
+                                        if "loss" in h]  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "losses.json").write_text(json.dumps(result, indent=1))
     return result

@@ -50,7 +50,7 @@ def minibatch_order(num_samples: int, steps: int = MAX_STEPS) -> list[int]:
     return [int(i) for step in range(steps) for i in sampler.minibatch_indices(step)]
 
 
-def sft_config(out: Path, **changes):
+def sft_config(out: Path, config_class=None, **changes):
     from trl import SFTConfig
 
     fields = dict(
@@ -59,7 +59,7 @@ def sft_config(out: Path, **changes):
         save_strategy="no", report_to="none", bf16=False, max_length=BUDGET, packing=False, dataloader_drop_last=True,
         disable_tqdm=True, dataset_num_proc=None, gradient_checkpointing=False,
     )  # fmt: skip
-    return SFTConfig(**{**fields, **changes})
+    return (config_class or SFTConfig)(**{**fields, **changes})
 
 
 def zero_rank_on_first_step(sampler_cls):

@@ -67,6 +67,10 @@ def test_odc_sft_on_cuda_matches_trl(fp32):
     assert [h["step"] for h in odc["history"]] == [h["step"] for h in trl["history"]] == list(range(1, 7))
     assert all(len(counts) == 1 for counts in odc["microbatches"])  # one rank
     assert odc["compute_path"]["loss"] == "trl_fused_lm_head"
+    # ODCSFTConfig, built before CUDA started, asked for expandable segments (odc_hf/integrations/cuda_allocator.py);
+    # the allocator's flush-and-retry count is logged every step
+    assert odc["cuda_allocator"]["expandable_segments"] is True, odc["cuda_allocator"]
+    assert all(isinstance(r, int) and r >= 0 for r in odc["cuda_alloc_retries"]), odc["cuda_alloc_retries"]
     print(f"fp32 SFT on CUDA, ODC vs TRL: losses {_max_rel(odc['history'], trl['history'], 'loss'):.2e}, grad norms "
           f"{_max_rel(odc['history'], trl['history'], 'grad_norm'):.2e} (max relative); path {odc['compute_path']}")  # fmt: skip
     sft_runs_assert(odc["history"], trl["history"])

@@ -19,7 +19,7 @@ def test_single_gpu_benchmark_smoke(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     cmd = [sys.executable, str(ROOT / "benchmarks/single_gpu.py"), "--smoke", "--parts", "sft_tulu,resume",
-           "--variants", "T,O", "--out", str(tmp_path)]  # fmt: skip
+           "--variants", "T,O,O_noexp", "--profile", "2", "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (payload,) = [json.loads(p.read_text()) for p in tmp_path.glob("single_gpu_cpu_*.json")]
@@ -33,3 +33,6 @@ def test_single_gpu_benchmark_smoke(tmp_path):
     assert resume["ok"] and len(resume["pairs"]) == 1 and resume["max_rel"] < 1e-6, resume
     # each variant's record was written as soon as it finished
     assert (tmp_path / "single_gpu_runs" / "sft_tulu" / "O.json").is_file()
+    # the allocator diagnostics: the variant's own setting recorded, retries counted (none off CUDA), O profiled
+    assert sft["summary"]["O_noexp"]["ok"] and sft["summary"]["O_noexp"]["alloc_retries"] == 0
+    assert "ChunkedLogProbFunction" in (tmp_path / "profile_sft_tulu_O.txt").read_text()

@@ -30,7 +30,7 @@ from transformers import Trainer, TrainerCallback
 from odc_hf.balance import FlopCostModel, ODCBatchSampler, QuadraticCostModel, TokenCostModel
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import is_sharded
-from odc_hf.integrations import compute_path, parallelism
+from odc_hf.integrations import compute_path, cuda_allocator, parallelism
 from odc_hf.integrations.accelerator import (
     adopt,
     check_cpu_ranks_have_no_gpu_to_pick,
@@ -118,6 +118,9 @@ class ODCMixin:
         self.odc_attention = choose_attention(self)
         if self.odc_compute_path:
             self.odc_compute = compute_path.setup(self)
+        device = self.accelerator.device
+        self.odc_cuda_allocator = cuda_allocator.check(device, main_process=self.accelerator.is_main_process)
+        self._odc_alloc_retries = cuda_allocator.RetryCounter(device)
 
     def _odc_argument(self, name: str, args: tuple, kwargs: dict):
         """The base trainer's ``name`` argument as this call passes it (by keyword or by position), else ``None``."""
@@ -497,6 +500,9 @@ class ODCMixin:
             ):  # collectives: waits hide inside FSDP's per-layer collectives, not measurable here
                 window = {k: v for k, v in window.items() if k not in ("odc/bubble_rate", "odc/wait_s_mean")}
             logs = {**logs, **{k: round(v, 4) for k, v in window.items()}}
+            retries = self._odc_alloc_retries.delta()  # CUDA only: the caching allocator's flush-and-retry count
+            if retries is not None:
+                logs["odc/cuda_alloc_retries"] = retries
         return super().log(logs, *args, **kwargs)
 
     def _odc_write_timings(self) -> None:

@@ -18,6 +18,7 @@ import warnings
 from trl import GRPOConfig, SFTConfig
 
 from odc_hf.integrations.arguments import ODCArguments
+from odc_hf.integrations.cuda_allocator import prefer_expandable_segments
 
 UPSTREAM_DEPRECATIONS = (
     r"`gradient_checkpointing` is deprecated and will be removed in v6",
@@ -45,6 +46,7 @@ class ODCSFTConfig(ODCArguments, SFTConfig):
     """``trl.SFTConfig`` plus the ``odc_*`` fields of :class:`ODCArguments`."""
 
     def __post_init__(self):
+        prefer_expandable_segments()  # before the arguments start CUDA (``self.device``): see cuda_allocator
         with quiet_upstream_deprecations():
             super().__post_init__()
 
@@ -54,6 +56,7 @@ class ODCGRPOConfig(ODCArguments, GRPOConfig):
     """``trl.GRPOConfig`` plus the ``odc_*`` fields of :class:`ODCArguments`."""
 
     def __post_init__(self):
+        prefer_expandable_segments()  # before the arguments start CUDA (``self.device``): see cuda_allocator
         with quiet_upstream_deprecations():
             super().__post_init__()
 
