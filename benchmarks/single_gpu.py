@@ -203,6 +203,19 @@ def allocator_setting() -> dict:
     return {"setting": setting, "expandable_segments": any(seg.get("is_expandable") for seg in segments)}
 
 
+def fa4_compiled() -> int | None:
+    """How many kernel configurations FlashAttention-4 has compiled in this process (its in-memory JIT caches; a
+    diagnostic read of flash_attn.cute.interface's module state, None when FA4 is not loaded)."""
+    module = sys.modules.get("flash_attn.cute.interface")
+    if module is None:
+        return None
+    total = 0
+    for name in ("_flash_attn_fwd", "_flash_attn_bwd", "_bwd_preprocess", "_bwd_postprocess_convert"):
+        cache = getattr(getattr(module, name, None), "compile_cache", None)
+        total += len(getattr(cache, "cache", ()) or ())
+    return total
+
+
 class Profile:
     """A TrainerCallback profiling one step: CUDA and CPU operators, sorted by CUDA time, written as a table."""
 
@@ -259,7 +272,8 @@ class Clock:
                 if not self.cuda:
                     return {}
                 stats = torch.cuda.memory_stats()
-                return {"retries": stats.get("num_alloc_retries", 0), "mallocs": stats.get("num_device_alloc", 0)}
+                return {"retries": stats.get("num_alloc_retries", 0), "mallocs": stats.get("num_device_alloc", 0),
+                        "fa4_compiles": fa4_compiled() or 0}  # fmt: skip
 
             def on_train_begin(self, args, state, control, **kwargs):
                 if self.cuda:
