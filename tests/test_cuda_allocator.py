@@ -90,3 +90,34 @@ def test_check_warns_once_on_cuda_without_it_and_counts_nothing_off_cuda(monkeyp
         assert cuda_allocator.check(torch.device("cuda"), main_process=True)["expandable_segments"] is True
     assert not caplog.records
     assert cuda_allocator.RetryCounter(torch.device("cpu")).delta() is None
+
+
+# Liger's RoPE: the Triton kernel, unless the user chose (odc_hf/integrations/compute_path.py: pin_liger_rope). On
+# one H200 liger-kernel 0.8.5's auto-selected CuTe DSL RoPE cost ~0.67 s of host time per 32k step of new lengths.
+def test_liger_rope_pinned_to_triton_where_liger_offers_both():
+    from odc_hf.integrations.compute_path import pin_liger_rope
+
+    both = ["nvidia-cutedsl", "nvidia-triton"]
+    env: dict[str, str] = {}
+    assert pin_liger_rope(env, impls=both) == "pinned" and env == {"LIGER_KERNEL_IMPL_ROPE": "nvidia-triton"}
+    for name in ("LIGER_KERNEL_IMPL_ROPE", "LIGER_KERNEL_BACKEND_ROPE", "LIGER_KERNEL_IMPL", "LIGER_KERNEL_BACKEND"):
+        env = {name: "nvidia-cutedsl"}
+        assert pin_liger_rope(env, impls=both) == "user" and env == {name: "nvidia-cutedsl"}
+    for impls in (["nvidia-triton"], ["nvidia-cutedsl"], []):  # one RoPE (or a future renaming): nothing to choose
+        env = {}
+        assert pin_liger_rope(env, impls=impls) == "no choice" and env == {}
+
+
+def test_liger_rope_pin_against_the_installed_liger():
+    pytest.importorskip("liger_kernel.backends", reason="liger-kernel >= 0.8 (per-op implementations) not installed")
+    from liger_kernel.backends import all_impls
+
+    from odc_hf.integrations.compute_path import pin_liger_rope
+
+    env: dict[str, str] = {}
+    state = pin_liger_rope(env)
+    assert state == ("pinned" if {"nvidia-cutedsl", "nvidia-triton"} <= set(all_impls("rope")) else "no choice")
+    if state == "pinned":  # Liger accepts the name it registered
+        from liger_kernel.backends import resolve_impl
+
+        assert resolve_impl("rope", env["LIGER_KERNEL_IMPL_ROPE"]).impl_name == "nvidia-triton"

@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import importlib.util
 import logging
+import os
 
 import torch
 
@@ -122,13 +123,46 @@ def liger_supports(model) -> bool:
     return getattr(getattr(model, "config", None), "model_type", None) in MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
+LIGER_ROPE_CHOICE_ENVS = ("LIGER_KERNEL_IMPL_ROPE", "LIGER_KERNEL_BACKEND_ROPE", "LIGER_KERNEL_IMPL", "LIGER_KERNEL_BACKEND")
+"""Liger's own variables that choose its RoPE implementation (per op, then for every op; new and legacy names)."""
+
+
+def pin_liger_rope(environ=None, impls=None) -> str:
+    """Run Liger's RoPE on its Triton kernel, not its CuTe DSL one, unless the user chose (``LIGER_KERNEL_IMPL_ROPE``).
+
+    liger-kernel 0.8.5 auto-selects a CuTe DSL RoPE on compute capability >= 9.0 when the CUTLASS DSL is importable
+    (FlashAttention-4 installs it) for rows of >= 131,072 query head-rows. On one H200 (Qwen2.5-1.5B shape, 28 layers)
+    each call of it cost ~10 ms of host time (forward) and ~14 ms (backward) whenever the row length was new, the
+    GPU idling meanwhile: 0.67 s of a 1.6 s step of a 32k row (profile in benchmarks/results/single_gpu_h200x1_2026-12-02*).
+    Rows of new lengths every step are what variable-length training is. Liger reads ``LIGER_KERNEL_IMPL_ROPE`` at
+    every call (its public per-op choice); this sets it to ``nvidia-triton`` where Liger registers both. Returns what
+    happened: ``"pinned"``, ``"user"`` (a Liger choice was set: kept), ``"no choice"`` (this Liger has one RoPE).
+    ``impls``: the RoPE implementations to assume (tests); default: ``liger_kernel.backends.all_impls("rope")``.
+    """
+    environ = os.environ if environ is None else environ
+    if any(environ.get(name) for name in LIGER_ROPE_CHOICE_ENVS):
+        return "user"
+    if impls is None:
+        try:
+            from liger_kernel.backends import all_impls
+        except ImportError:  # liger-kernel without per-op implementations (< 0.8): Triton only
+            return "no choice"
+        impls = all_impls("rope")
+    if "nvidia-cutedsl" not in impls or "nvidia-triton" not in impls:
+        return "no choice"
+    environ["LIGER_KERNEL_IMPL_ROPE"] = "nvidia-triton"
+    return "pinned"
+
+
 def apply_liger_kernels(
     model, *, fused_linear_cross_entropy: bool, kernel_config: dict | None = None
 ) -> None:
     """Liger's kernels on ``model`` (before sharding), through transformers' own integration (what the Trainer
-    does for ``use_liger_kernel``); its fused linear cross-entropy only where asked."""
+    does for ``use_liger_kernel``); its fused linear cross-entropy only where asked; RoPE on Triton
+    (:func:`pin_liger_rope`)."""
     from transformers.integrations.liger import apply_liger_kernel
 
+    pin_liger_rope()
     config = {**(kernel_config or {}), "fused_linear_cross_entropy": fused_linear_cross_entropy}
     if fused_linear_cross_entropy:
         config["cross_entropy"] = False  # Liger refuses both at once

@@ -101,6 +101,8 @@ class ODCMixin:
         training_args = self._odc_argument("args", args, kwargs)  # GRPO's is 3rd, not 2nd
         # before the base trainer's first barrier (TRL prepares its dataset "main process first")
         check_cpu_ranks_have_no_gpu_to_pick(use_cpu=bool(getattr(training_args, "use_cpu", False)))
+        if getattr(training_args, "use_liger_kernel", False):  # where the base trainer applies Liger itself (GRPO)
+            compute_path.pin_liger_rope()
         if odc_config is None:  # trainer arguments' odc_* fields, then ODC_* variables, then defaults
             from odc_hf.integrations.arguments import odc_config_from_args
 
