@@ -100,6 +100,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps per variant, fp32, sdpa (CPU test)")
     p.add_argument("--out", default=os.environ.get("OUT") or str(report.RESULTS))
+    p.add_argument("--tag", default="", help="extra part of the report's file names")
     p.add_argument("--merge", nargs="+", default=None, help="JSON reports of earlier runs: write one report of all")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
@@ -747,7 +748,7 @@ def plot(payload: dict, path: Path) -> Path | None:
 def finish(args, payload: dict) -> None:
     """(Re)write the report, JSON and plot from what has finished so far."""
     env = payload["env"]
-    stem = f"single_gpu_{report.hardware_tag(env)}_{env['date'][:10]}"
+    stem = f"single_gpu_{report.hardware_tag(env)}_{env['date'][:10]}{args.tag}"
     analysis = analyse(payload, args.warmup)
     report.write(args.out, stem, {**payload, "analysis": analysis}, render(payload, analysis))
     plot(payload, Path(args.out) / f"{stem}.png")

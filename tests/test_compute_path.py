@@ -284,3 +284,27 @@ def test_calibration_copies_of_a_two_layer_model_build_with_four_layers():
         assert copy.num_hidden_layers == layers and len(copy.layer_types) == layers
         assert len(Qwen2ForCausalLM(copy).model.layers) == layers
     assert config.num_hidden_layers == 2 and len(config.layer_types) == 2  # the model's own config is untouched
+
+
+@pytest.mark.parametrize("peft", [False, True])
+def test_calibration_copies_of_a_peft_model_keep_its_adapter(peft):
+    """calibrate_memory's copies of a LoRA model: its base architecture with the same adapter config (so the same
+    parameters are trainable). Calling the PeftModel's class with a config raised TypeError in every LoRA run on a
+    GPU (seen on one H200: tests/test_gpu_one_device.py::test_odc_lora_sft_on_cuda_matches_trl_lora)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from odc_hf.integrations.compute_path import TRL_FUSED_HEAD, small_copy
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    if peft:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    small = small_copy(model, 4, device="cpu", dtype=torch.float32, kernels="none", loss=TRL_FUSED_HEAD)
+    trainable = sorted(n.split("layers.")[-1] for n, p in small.named_parameters() if p.requires_grad)
+    assert len(trainable) == (4 * 4 if peft else len(list(small.parameters())))  # LoRA A, B on q and v per layer
+    assert type(small).__name__ == ("PeftModelForCausalLM" if peft else "Qwen2ForCausalLM")
+    ids = torch.randint(0, 64, (1, 16))
+    small(input_ids=ids, labels=ids, fused_lm_head=True).loss.backward()  # the forward calibrate_memory times
+    assert all(p.grad is not None for p in small.parameters() if p.requires_grad)

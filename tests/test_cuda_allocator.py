@@ -1,6 +1,7 @@
 """odc_hf asks torch's CUDA caching allocator for expandable segments before CUDA starts, where it can, and keeps a
 user's own setting (odc_hf/integrations/cuda_allocator.py). On one H200, ODCSFTTrainer without activation
-checkpointing stalled on the allocator's flush-and-retry when steps met new lengths (docs/performance.md)."""
+checkpointing and torch's default allocator reserved all 139 GiB for 98 GiB allocated and retried; with expandable
+segments it reserved 99 GiB (the same speed; docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -76,9 +77,9 @@ def test_odc_configs_ask_before_the_arguments_start_cuda(monkeypatch, tmp_path):
     assert cuda_allocator.user_setting() == "max_split_size_mb:64"
 
 
-def test_check_warns_once_on_cuda_without_it_and_counts_nothing_off_cuda(monkeypatch, caplog):
+def test_check_says_once_on_cuda_without_it_and_counts_nothing_off_cuda(monkeypatch, caplog):
     _clear(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="odc_hf"):
+    with caplog.at_level(logging.INFO, logger="odc_hf"):
         state = cuda_allocator.check(torch.device("cuda"), main_process=True)
         assert cuda_allocator.check(torch.device("cuda"), main_process=False) == state  # other ranks: silent
         assert cuda_allocator.check(torch.device("cpu"), main_process=True) == state
@@ -86,7 +87,7 @@ def test_check_warns_once_on_cuda_without_it_and_counts_nothing_off_cuda(monkeyp
     assert [r.getMessage().count("expandable segments") for r in caplog.records] == [1]
     caplog.clear()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", VALUE)
-    with caplog.at_level(logging.WARNING, logger="odc_hf"):
+    with caplog.at_level(logging.INFO, logger="odc_hf"):
         assert cuda_allocator.check(torch.device("cuda"), main_process=True)["expandable_segments"] is True
     assert not caplog.records
     assert cuda_allocator.RetryCounter(torch.device("cpu")).delta() is None

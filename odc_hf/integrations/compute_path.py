@@ -313,6 +313,32 @@ def config_with_layers(config, layers: int):
     return config
 
 
+def small_copy(model, layers: int, *, device, dtype: torch.dtype, kernels: str, loss: str,
+               kernel_config: dict | None = None):  # fmt: skip
+    """A ``layers``-layer copy of ``model``'s architecture (random weights, ``dtype``, training mode) with the run's
+    kernels and loss; a PEFT model's copy is its base architecture wrapped with the same adapter config, so that
+    what is trainable (and so which gradients exist) matches. (Calling a PeftModel's class with a config fails:
+    every LoRA run on a GPU did, seen on one H200.)"""
+    base, peft_config = model, None
+    if callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
+        base, peft_config = model.get_base_model(), model.peft_config[model.active_adapter]
+    config = config_with_layers(base.config, layers)
+    with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []), torch.device(device):
+        torch.manual_seed(0)
+        small = type(base)(config).to(dtype)
+    small.train()
+    if kernels == "liger":
+        apply_liger_kernels(small, fused_linear_cross_entropy=loss == LIGER_FLCE, kernel_config=kernel_config)
+    if loss == TRL_FUSED_HEAD:
+        install_fused_head(small)  # before PEFT wraps it, as TRL adds it
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        small = get_peft_model(small, copy.deepcopy(peft_config))
+        small.train()
+    return small
+
+
 def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: str, tokens: int,
                      kernel_config: dict | None = None) -> MemoryModel:  # fmt: skip
     """Per-token memory terms of ``model``'s architecture on ``device`` (CUDA), with the run's kernels and loss.
@@ -331,17 +357,8 @@ def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: s
     t1 = t2 // 2
     slopes, workspace = {}, 0.0
     for layers in CALIBRATION_LAYERS:
-        config = config_with_layers(model.config, layers)
-        with torch.random.fork_rng(devices=[device]), torch.device(device):
-            torch.manual_seed(0)
-            small = type(model)(config).to(dtype)
-        small.train()
-        if kernels == "liger":
-            apply_liger_kernels(
-                small, fused_linear_cross_entropy=loss == LIGER_FLCE, kernel_config=kernel_config
-            )
-        if loss == TRL_FUSED_HEAD:
-            install_fused_head(small)
+        small = small_copy(model, layers, device=device, dtype=dtype, kernels=kernels, loss=loss,
+                           kernel_config=kernel_config)  # fmt: skip
         grads = sum(p.numel() * p.element_size() for p in small.parameters() if p.requires_grad)
         for checkpointed in (0, layers):
             enable_checkpointing(small, checkpointed)
