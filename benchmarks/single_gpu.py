@@ -24,9 +24,11 @@ SFT variants (Qwen2.5-1.5B shape from a config, random init, bf16 autocast, fp32
   checkpointing; ``ODCConfig.attention="auto"``: ``flash_attention_4`` where it runs, else ``sdpa_varlen``; the
   report's attention column is what ``auto`` resolved to); **O_sdpa**: the same with ``attention="sdpa_varlen"``;
 - **T2**: T again with the same seed: the bf16 run-to-run noise that per-step losses are compared against;
-- diagnostics, the CUDA caching allocator's setting only: **O_noexp**: O with ``ODC_EXPANDABLE_SEGMENTS=0`` (torch's
-  default allocator, as before odc_hf asked for expandable segments); **T+x**: T+ with
-  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (TRL given the same allocator setting as O).
+- diagnostics, one environment variable each: **O_noexp**: O with ``ODC_EXPANDABLE_SEGMENTS=0`` (torch's default CUDA
+  allocator, as before odc_hf asked for expandable segments); **T+x**: T+ with
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (O's allocator setting); **T+t**: T+ with
+  ``LIGER_KERNEL_IMPL_ROPE=nvidia-triton`` (O's Liger RoPE); **O_cute**: O with ``LIGER_KERNEL_IMPL_ROPE=nvidia-cutedsl``
+  (liger-kernel's own choice on Hopper when the CUTLASS DSL is installed, as before odc_hf pinned Triton).
 
 Each variant runs in its own process, forked from this one after the imports (no re-import; a clean CUDA context and
 no Liger patches left by another variant), in the order T, O, T+, O_sdpa, T2 (interleaved: every other run is TRL's).
@@ -55,7 +57,9 @@ import math
 import multiprocessing
 import os
 import statistics
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -75,10 +79,15 @@ PARTS = ("sft_longalign", "sft_tulu", "lora", "grpo", "resume")
 GIB = 1024**3
 # per part: workload, TRL max_length (= ODC's token budget), packed rows per step, samples drawn
 SFT_PARTS = {"sft_longalign": ("longalign", 32768), "sft_tulu": ("tulu", 16384)}
-SFT_VARIANTS = ("T", "O", "T+", "O_sdpa", "T2", "O_noexp", "T+x")
+SFT_VARIANTS = ("T", "O", "T+", "O_sdpa", "T2", "O_noexp", "T+x", "T+t", "O_cute")
 EXPANDABLE = "expandable_segments:True"
-# variants that differ only in the CUDA caching allocator's setting (set in their child before CUDA starts)
-ALLOCATOR_VARIANTS = {"O_noexp": {"ODC_EXPANDABLE_SEGMENTS": "0"}, "T+x": {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE}}
+# variants that differ from T+ / O only in environment variables (set in their child before CUDA starts)
+ENV_VARIANTS = {
+    "O_noexp": {"ODC_EXPANDABLE_SEGMENTS": "0"},  # torch's default CUDA allocator
+    "T+x": {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE},  # TRL with O's allocator setting
+    "T+t": {"LIGER_KERNEL_IMPL_ROPE": "nvidia-triton"},  # TRL with O's Liger RoPE (Triton)
+    "O_cute": {"LIGER_KERNEL_IMPL_ROPE": "nvidia-cutedsl"},  # O with liger-kernel's own RoPE choice on Hopper
+}
 
 
 def parse_args(argv=None):
@@ -94,12 +103,14 @@ def parse_args(argv=None):
     p.add_argument("--profile_variants", default="O", help="comma list of SFT variants to profile")
     p.add_argument("--lora_steps", type=int, default=10)
     p.add_argument("--grpo_steps", type=int, default=4, help="training-phase steps (fixed rollouts) per trainer")
-    p.add_argument("--grpo_generate_steps", type=int, default=2, help="steps with generate() per trainer")
+    p.add_argument("--grpo_generate_steps", type=int, default=4, help="steps with generate() per trainer")
     p.add_argument("--resume_at", type=int, default=3, help="resume part: save at this step, train as many again")
     p.add_argument("--model", default=None, help="1.5B (GPU default) or tiny (CPU default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps per variant, fp32, sdpa (CPU test)")
     p.add_argument("--out", default=os.environ.get("OUT") or str(report.RESULTS))
+    p.add_argument("--work", default=None,
+                   help="the trainers' output directories (checkpoints); default: a temporary directory, removed at the end")
     p.add_argument("--tag", default="", help="extra part of the report's file names")
     p.add_argument("--merge", nargs="+", default=None, help="JSON reports of earlier runs: write one report of all")
     args = p.parse_args(argv)
@@ -365,8 +376,8 @@ def run_sft_variant(args, variant: str, data: dict, out: Path, *, peft: bool = F
     from datasets import Dataset
 
     steps = steps or len(data["groups"])
-    if variant in ALLOCATOR_VARIANTS:  # this child only (forked): before anything starts CUDA here
-        os.environ.update(ALLOCATOR_VARIANTS[variant])
+    if variant in ENV_VARIANTS:  # this child only (forked): before anything starts CUDA here
+        os.environ.update(ENV_VARIANTS[variant])
     best = "flash_attention_4" if fa4_available() else "sdpa"
     liger = liger_available() and torch.cuda.is_available()
     extra = {"peft_config": lora_config()} if peft else {}
@@ -374,7 +385,7 @@ def run_sft_variant(args, variant: str, data: dict, out: Path, *, peft: bool = F
     clock = Clock.make(data["step_tokens"])
     torch.manual_seed(args.seed)  # TRL draws LoRA weights in __init__
     if variant.startswith("T"):
-        plus = variant.startswith("T+")
+        plus = variant.startswith("T+")  # T+, T+x, T+t
         changes = {"use_liger_kernel": liger, "gradient_checkpointing": False} if plus else {}
         attention = best
         m = model(args, attention)
@@ -545,6 +556,8 @@ def sft_data(args, part: str, steps: int) -> dict:
 
 def run_parts(args) -> dict:
     runs = Path(args.out) / "single_gpu_runs"
+    # the trainers' output directories (checkpoints: ~18 GB per 1.5B checkpoint) stay out of the results
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="single_gpu_"))
     payload = {"env": args.env, "args": {k: v for k, v in vars(args).items()},
                "fa4": fa4_available(), "liger": liger_available(), "parts": {}}  # fmt: skip
     variants = args.variants.split(",")
@@ -556,7 +569,7 @@ def run_parts(args) -> dict:
                                "step_tokens": data["step_tokens"], "samples_per_step": [len(g) for g in data["groups"]]}  # fmt: skip
             for v in variants:
                 results[v] = in_child(run_sft_variant, runs / part / f"{v}.json", args=args, variant=v, data=data,
-                                      out=runs / part / f"{v}_trainer")  # fmt: skip
+                                      out=work / part / f"{v}_trainer")  # fmt: skip
                 finish(args, payload)
         elif part == "lora":
             data = sft_data(args, part, args.lora_steps)
@@ -564,26 +577,28 @@ def run_parts(args) -> dict:
                                "step_tokens": data["step_tokens"]}  # fmt: skip
             for v in ("T", "O"):
                 results[v] = in_child(run_sft_variant, runs / part / f"{v}.json", args=args, variant=v, data=data,
-                                      out=runs / part / f"{v}_trainer", peft=True)  # fmt: skip
+                                      out=work / part / f"{v}_trainer", peft=True)  # fmt: skip
                 finish(args, payload)
         elif part == "grpo":
             for generate in (False, True):
                 for v in ("T", "O"):
                     name = f"{v}_{'generate' if generate else 'fixed'}"
                     results[name] = in_child(run_grpo_variant, runs / part / f"{name}.json", args=args, variant=v,
-                                             out=runs / part / f"{name}_trainer", generate=generate)  # fmt: skip
+                                             out=work / part / f"{name}_trainer", generate=generate)  # fmt: skip
                     finish(args, payload)
         elif part == "resume":
             k = args.resume_at
             data = sft_data(args, part, 2 * k)
             results["data"] = {"workload": data["workload"], "max_length": data["max_length"], "save_at": k}
-            trainer_dir = runs / part / "O_trainer"
+            trainer_dir = work / part / "O_trainer"
             results["uninterrupted"] = in_child(run_sft_variant, runs / part / "uninterrupted.json", args=args,
                                                 variant="O", data=data, out=trainer_dir, save_steps=k)  # fmt: skip
             results["resumed"] = in_child(run_sft_variant, runs / part / "resumed.json", args=args, variant="O",
-                                          data=data, out=runs / part / "O_resumed",
+                                          data=data, out=work / part / "O_resumed",
                                           resume=str(trainer_dir / f"checkpoint-{k}"))  # fmt: skip
             finish(args, payload)
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
     return payload
 
 

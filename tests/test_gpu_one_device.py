@@ -53,12 +53,12 @@ def fp32(tmp_path_factory):
 
 
 # fp32 on the GPU: ODC's packed rows, per-document attention, TRL's fused head and (when installed) Liger's Triton
-# RMSNorm / SwiGLU / RoPE vs TRL's padded rows, masked sdpa and torch's layers reorder the sums; on CPU (no Liger)
-# the same pair agrees to 1.2e-7 (losses) / 1.2e-5 (gradient norms). Not yet measured on a GPU (the tests print the
-# differences: record them and tighten): bounds 1e-4 / 1e-3. The bugs these tests exist for (a per-microbatch
-# instead of a global token normaliser, a lost or doubled microbatch, documents attending across each other) move
-# losses by > 1e-3.
-LOSS_RTOL, GRAD_NORM_RTOL = 1e-4, 1e-3
+# RMSNorm / SwiGLU / RoPE vs TRL's padded rows, masked sdpa and torch's layers reorder the sums. Measured on one H200
+# (2026-12-02, commit 723c2cd): SFT losses 1.2e-7, gradient norms 2.4e-7; GRPO losses 2.8e-7 (max relative); on CPU
+# 1.2e-7 / 1.2e-5. Bounds 1e-5 (losses, 35x the largest) and 1e-4 (gradient norms: GRPO's were not yet recorded on
+# a GPU). The bugs these tests exist for (a per-microbatch instead of a global token normaliser, a lost or doubled
+# microbatch, documents attending across each other) move losses by > 1e-3.
+LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
 
 
 def test_odc_sft_on_cuda_matches_trl(fp32):
@@ -103,7 +103,8 @@ def test_odc_grpo_on_cuda_matches_trl(tmp_path):
     # ~0 up to rounding: absolute 1e-6 there.
     odc, trl = grpo_run(tmp_path / "odc", "odc"), grpo_run(tmp_path / "trl", "trl")
     assert [h["step"] for h in odc] == [h["step"] for h in trl] == [1, 2]
-    print("GRPO on CUDA, ODC vs TRL:", [(a["loss"], b["loss"]) for a, b in zip(odc, trl)])
+    print("GRPO on CUDA, ODC vs TRL (loss, grad norm):",
+          [((a["loss"], b["loss"]), (a["grad_norm"], b["grad_norm"])) for a, b in zip(odc, trl)])
     for a, b in zip(odc, trl):
         assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL, abs=1e-6), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=GRAD_NORM_RTOL), (a, b)
