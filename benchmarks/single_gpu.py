@@ -56,8 +56,8 @@ import json
 import math
 import multiprocessing
 import os
-import statistics
 import shutil
+import statistics
 import sys
 import tempfile
 import time
