@@ -321,7 +321,9 @@ def small_copy(model, layers: int, *, device, dtype: torch.dtype, kernels: str, 
     every LoRA run on a GPU did, seen on one H200.)"""
     base, peft_config = model, None
     if callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
-        base, peft_config = model.get_base_model(), model.peft_config[model.active_adapter]
+        name = model.active_adapter
+        name = name[0] if isinstance(name, (list, tuple)) else name  # PEFT gives a list with several active
+        base, peft_config = model.get_base_model(), model.peft_config[name]
     config = config_with_layers(base.config, layers)
     with torch.random.fork_rng(devices=[device] if torch.device(device).type == "cuda" else []), torch.device(device):
         torch.manual_seed(0)
