@@ -82,7 +82,9 @@ def test_lengths_file_end_to_end(tmp_path):
     stdout = run_cli(*args)
     single, multi = parse(stdout)
     want = expected(lengths, per_rank=4, budget=16384, gpus_per_node=4, nodes=2, grad_accum=2)
-    today = pytest.importorskip("odc_hf.hf_rebalance").available()
+    from odc_hf import hf_rebalance
+
+    today = hf_rebalance.available()
     hf = {"rebalance_hsdp": "FSDP2 + batch_rebalance (today)"} if today[0] else {}
     check(single, want[0], {**hf, "fsdp2_hsdp": "FSDP2 + LB-Micro", "odc_hsdp": "ODC + LB-Mini"})
     hf = ({"rebalance_full": "FSDP2 full + batch_rebalance (today)",
