@@ -105,7 +105,7 @@ class _GRPOPart:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_trl_grpo(self)
-        _check_settings(self, self.odc_grad_accum)
+        _check_settings(self, self.odc_folded_accumulation)
         self.odc_generation_steps = 0  # optimizer steps trained since the last generation
         self.odc_root_initialised = False  # see _odc_generate_without_lockstep
         self.odc_bundle: GRPOBundle | None = None
@@ -133,10 +133,6 @@ class _GRPOPart:
         if implementation.startswith("flash_attention"):
             return True
         return is_varlen(implementation) and self.accelerator.device.type != "cuda"
-    def create_accelerator_and_postprocess(self):
-        self.odc_grad_accum = self.args.gradient_accumulation_steps  # TRL's G, before ODCMixin folds it to 1
-        super().create_accelerator_and_postprocess()
-
     def _odc_install_ref(self):
         """Put the (frozen, never updated) reference model on ODC too: its no-grad forwards gather one-sidedly."""
         from odc_hf.fsdp import install_odc, is_sharded, shard_model
@@ -183,17 +179,6 @@ class _GRPOPart:
         return super().training_step(model, self.odc_bundle, num_items_in_batch)
 
     @contextlib.contextmanager
-    def _trl_accumulation_view(self):
-        """TRL decides whether to compute old log-probs from ``args.gradient_accumulation_steps``; show it the
-        user's value (ODCMixin runs the Trainer with 1) so it decides as it would without ODC."""
-        folded = self.args.gradient_accumulation_steps
-        self.args.gradient_accumulation_steps = self.odc_grad_accum
-        try:
-            yield
-        finally:
-            self.args.gradient_accumulation_steps = folded
-
-    @contextlib.contextmanager
     def _odc_generate_without_lockstep(self):
         """``generate()`` with ``synced_gpus=False`` under ODC, for TRL's call (which passes none).
 
@@ -232,11 +217,11 @@ class _GRPOPart:
         """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
         from trl.trainer.utils import shuffle_sequence_dict
 
-        with self._trl_accumulation_view(), quiet_upstream_deprecations(), self._odc_generate_without_lockstep():
+        with self._odc_users_arguments(), quiet_upstream_deprecations(), self._odc_generate_without_lockstep():
             batch = self._generate_and_score_completions(inputs)
         # The microbatches TRL would train on: its shuffle (same RNG draw, so runs stay comparable) and split.
         batch = shuffle_sequence_dict(batch)
-        num_slices, size = self.odc_grad_accum, batch["completion_ids"].size(0)
+        num_slices, size = self.odc_folded_accumulation, batch["completion_ids"].size(0)
         slice_of = torch.arange(size) // max(1, size // num_slices)
         loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         weights = sample_weights(loss_mask.cpu(), slice_of, loss_type=self.loss_type, num_slices=num_slices,
@@ -370,7 +355,7 @@ class _GRPOPart:
 
     # -- once-per-step metrics ------------------------------------------------------------------------
     def odc_before_bundle(self):
-        self.odc_slice_metrics = SliceMetrics(self.odc_grad_accum, self.beta)
+        self.odc_slice_metrics = SliceMetrics(self.odc_folded_accumulation, self.beta)
         metrics = self._metrics["train"]
         return {k: len(metrics[k]) for k in (*mean_keys(self.beta), *CLIP_EXTREMES)}
 

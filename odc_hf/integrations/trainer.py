@@ -395,10 +395,11 @@ class ODCMixin:
 
     @contextlib.contextmanager
     def _odc_users_arguments(self):
-        """The training arguments as the user set them while they are written out (``training_args.bin``, by this
-        class or by ``Trainer._save``): the Trainer runs with ``gradient_accumulation_steps=1`` (the accumulation is
-        folded into each step's bundle), but a reader of the file (a resumed run, model-card tools) must see the
-        user's value. Nothing reads the setting while a model is saved."""
+        """The training arguments with the user's ``gradient_accumulation_steps`` inside the block: the Trainer runs
+        with 1 (the accumulation is folded into each step's bundle), but a reader must see the user's value: a
+        resumed run and model-card tools reading ``training_args.bin`` (written by this class or by
+        ``Trainer._save``; nothing reads the setting while a model is saved), and TRL's GRPO generation, which
+        decides from it whether to compute old log-probs."""
         folded = self.args.gradient_accumulation_steps
         self.args.gradient_accumulation_steps = self.odc_folded_accumulation
         try:
