@@ -7,7 +7,8 @@
 #   2: join and install FA4 (--target /tmp/fa4); single_gpu.py sft_longalign T,O,T+,T+t,O_sdpa,T2 (~8.5 min)
 #   3: single_gpu.py sft_tulu T,O,T+,O_sdpa,T+t; lora (~9 min)
 #   4: single_gpu.py resume, grpo (~6 min)
-# (FlashAttention-4's own GPU tests, tests/test_attention_fa4_gpu.py, are left to a call of their own.)
+#   5 (after 1, carrying .whl2): FA4's GPU tests and the LoRA test on FA4; compute_ceiling.py FA4 vs sdpa_varlen on
+#      the 1.5B rows and the GRPO-like group padded vs packed, 7 repeats (~7 min)
 # Results go under $OUT (one tarball per stage: the device returns at most 8 files); trainers' checkpoints stay out.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -18,7 +19,7 @@ if [ "$stage" = 1 ]; then
   mkdir -p /tmp/fa && cp .whl/cu13part_aa .whl/flash_attn_4* .whl/nvidia_cutlass* .whl/apache* .whl/torch_c* \
     .whl/quack* /tmp/fa/ || exit 1
 fi
-if [ "$stage" = 2 ]; then
+if [ ! -d /tmp/fa4/flash_attn ] && [ -f /tmp/fa/cu13part_aa ] && [ -f .whl2/cu13part_ab ]; then  # stage 2 or 5 after 1
   cat /tmp/fa/cu13part_aa .whl2/cu13part_ab > /tmp/fa/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
     && rm /tmp/fa/cu13part_aa
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4 /tmp/fa/*.whl \
@@ -55,5 +56,12 @@ fi
 if [ "$stage" = 4 ]; then
   sg resume T,O 180 sg_resume
   sg grpo T,O $((560 - (SECONDS - t0))) sg_grpo
+fi
+if [ "$stage" = 5 ]; then
+  timeout 200 python3 -m pytest -m gpu -rP -q -p no:cacheprovider tests/test_attention_fa4_gpu.py \
+    tests/test_gpu_one_device.py -k "flash or fa4 or lora" > "$OUT/gpu_tests_fa4.log" 2>&1; tail -2 "$OUT/gpu_tests_fa4.log"
+  say "fa4 tests"
+  timeout 360 python3 benchmarks/compute_ceiling.py --attn flash_attention_4,sdpa_varlen --models 1.5B \
+    --repeats 7 --out "$OUT" > "$OUT/attention_compare.log" 2>&1; tail -4 "$OUT/attention_compare.log"; say "attention"
 fi
 cd "$OUT" && tar czf /tmp/stage.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/stage.tgz "$OUT/stage$stage.tgz"; ls -la "$OUT"
