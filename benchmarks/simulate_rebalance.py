@@ -177,6 +177,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps-1024", type=int, default=2,
                    help="... at 1,024 GPUs (batch_rebalance's search takes seconds per step there)")  # fmt: skip
     p.add_argument("--network", type=float, default=50.0, help="GB/s per GPU between nodes")
+    p.add_argument("--cost-model", default="h200",
+                   help="h200 (the shipped calibration), flop, or a calibration .json (scaled by FLOPs to --model "
+                        "when it records its model_shape), as python -m odc_hf.estimate reads it")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -184,7 +187,7 @@ def main(argv=None) -> None:
     workloads = [w for w in args.workloads.split(",") if w]
     gpus = [int(g) for g in args.gpus.split(",") if g]
     shape = shape_of(args.model)
-    cost_model, cost_text = load_cost_model("h200", shape)
+    cost_model, cost_text = load_cost_model(args.cost_model, shape)
     overheads = h200_overheads()
     rows = []
     for workload in workloads:

@@ -23,6 +23,8 @@ from odc_hf.balance.cost import QuadraticCostModel
 from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
 from odc_hf.balance.simulate import (
     calibration_from_dict,
+    flop_cost_model,
+    flop_rate,
     h200_calibration,
     h200_overheads,
     load_cost_model,
@@ -36,6 +38,10 @@ from odc_hf.workloads import generate_lengths, qwen2_5_config
 COST = QuadraticCostModel(a=0.0, b=3e-5, c=6e-10, floor=0.17)
 OVERHEADS = StepOverheads(odc_s_per_param=4e-11, fsdp_s_per_param=2e-11)
 BUDGET = 32768
+CALIBRATION_2026_12_02 = (
+    Path(__file__).parents[1]
+    / "benchmarks/results/calibration_qwen2.5-1.5B_h200x1_2026-12-02_flash_attention_4.json"
+)
 
 
 def shape(size="1.5B", tied=True):
@@ -177,18 +183,28 @@ def test_summary_speedups_are_ratios_of_summed_times():
 def test_shipped_calibration_and_scaling():
     asset = h200_calibration()
     fitted = calibration_from_dict(asset)
-    # the fit recorded in the asset's provenance: max(0.1749, 3.001e-05 s + 6.161e-10 s^2)
-    assert (fitted.floor, fitted.a) == (pytest.approx(0.1749), 0.0)
-    assert fitted.b == pytest.approx(3.001e-5, rel=1e-3) and fitted.c == pytest.approx(6.161e-10, rel=1e-3)
+    # the new compute path's calibration (2026-12-02, FlashAttention-4): its own fit, a, b, c, floor, as recorded in
+    # benchmarks/results and in the asset's provenance: max(0.09925, 0.04798 + 1.4e-05 s + 5.517e-10 s^2)
+    assert asset["date"] == "2026-12-02" and fitted == QuadraticCostModel.from_dict(asset)
+    assert (fitted.floor, fitted.a) == (pytest.approx(0.09925, abs=5e-6), pytest.approx(0.04798, abs=5e-6))
+    assert fitted.b == pytest.approx(1.4004e-5, rel=1e-4) and fitted.c == pytest.approx(5.517e-10, rel=1e-4)
+    # the fit is the one of the asset's own timings (what lengths + seconds alone would give)
+    refit = QuadraticCostModel.fit(asset["lengths"], asset["seconds"])
+    assert refit.to_dict() == pytest.approx(fitted.to_dict(), rel=1e-9)
+    # exactly the model the 2026-12-02 simulator reports used (--cost-model <that calibration>)
+    for target in (shape("1.5B"), shape("7B", tied=False)):
+        shipped, _ = load_cost_model("h200", target)
+        assert shipped == load_cost_model(str(CALIBRATION_2026_12_02), target)[0]
     reference = ModelShape(**asset["model_shape"])
     assert {**reference.__dict__, "name": ""} == {**shape("1.5B").__dict__, "name": ""}
     same, text = load_cost_model("h200", shape("1.5B"))
-    assert same == fitted and "H200 calibration" in text
+    assert same == fitted and "H200 calibration of Qwen2.5-1.5B (2026-12-02)" in text
     scaled, text = load_cost_model("h200", shape("7B", tied=False))
     assert "scaled by FLOPs" in text
     s7 = shape("7B", tied=False)
     assert scaled.b == pytest.approx(fitted.b * s7.num_matmul_params / reference.num_matmul_params)
     assert scaled.c == pytest.approx(fitted.c * (28 * 3584) / (28 * 1536)) and scaled.floor == fitted.floor
+    assert scaled.a == fitted.a  # same number of layers
     identity = scale_cost_model(fitted, reference, reference)  # x N/N: one rounding at most
     assert identity.to_dict() == pytest.approx(fitted.to_dict(), rel=1e-15)
     overheads = h200_overheads()
@@ -206,10 +222,41 @@ def test_a_calibration_file_with_its_model_shape_scales_to_other_shapes(tmp_path
 
     asset = h200_calibration()
     path = tmp_path / "cal.json"
-    path.write_text(json.dumps({"lengths": asset["lengths"], "seconds": asset["seconds"],
+    path.write_text(json.dumps({"lengths": asset["lengths"], "seconds": asset["seconds"], **calibration_from_dict(asset).to_dict(),
                                 "model_shape": dataclasses.asdict(shape("1.5B"))}))  # fmt: skip
     fitted = calibration_from_dict(asset)
     same, text = load_cost_model(str(path), shape("1.5B"))
     assert same == fitted and "scaled" not in text
     scaled, text = load_cost_model(str(path), shape("7B", tied=False))
     assert "scaled by FLOPs" in text and scaled == scale_cost_model(fitted, shape("1.5B"), shape("7B", tied=False))
+
+
+def test_flop_cost_model_runs_at_the_calibrations_rate_on_its_longest_sequence():
+    asset = h200_calibration()
+    fitted, reference = calibration_from_dict(asset), ModelShape(**asset["model_shape"])
+    longest = max(asset["lengths"])
+    assert longest == 32768
+    flops = (
+        6.0 * reference.num_matmul_params * longest
+        + 6.0 * reference.num_layers * reference.attn_dim * longest**2
+    )
+    rate = flops / fitted.microbatch_cost([longest])
+    assert flop_rate(fitted, reference, length=longest) == pytest.approx(rate, rel=1e-12)
+    # below an H200's dense bf16 peak (989 TFLOP/s), and near the measured 32k row's rate (the fit is within 1.2 %
+    # there); 6·N / b of a fit with an intercept would give 661 TFLOP/s
+    assert rate < 1000e12 and rate == pytest.approx(flops / asset["seconds"][-1], rel=0.012)
+    for size, tied in (("1.5B", True), ("7B", False)):
+        target = shape(size, tied=tied)
+        model, text = load_cost_model("flop", target)
+        assert f"{rate / 1e12:.0f} TFLOP/s" in text and "32,768-token" in text
+        assert (model.a, model.floor) == (0.0, 0.0)
+        assert model.b == pytest.approx(6.0 * target.num_matmul_params / rate, rel=1e-12)
+        assert model.c == pytest.approx(6.0 * target.num_layers * target.attn_dim / rate, rel=1e-12)
+        # on the reference shape it prices the longest sequence exactly as the calibration does
+        if size == "1.5B":
+            priced = model.microbatch_cost([longest])
+            assert priced == pytest.approx(fitted.microbatch_cost([longest]), rel=1e-12)
+    default = flop_cost_model(fitted, reference, reference)
+    assert default == flop_cost_model(fitted, reference, reference, length=32768)
+    with pytest.raises(ValueError, match="length must be > 0"):
+        flop_rate(fitted, reference, length=0)

@@ -50,6 +50,7 @@ __all__ = [
     "PlannedStep",
     "calibration_from_dict",
     "flop_cost_model",
+    "flop_rate",
     "h200_calibration",
     "h200_overheads",
     "load_cost_model",
@@ -288,7 +289,8 @@ def _ratio_standard_error(num: np.ndarray, den: np.ndarray) -> float:
 
 
 def h200_calibration() -> dict:
-    """The measured H200 calibration shipped with odc_hf (Qwen2.5-1.5B shape): timings, provenance, overheads."""
+    """The measured H200 calibration shipped with odc_hf (Qwen2.5-1.5B shape, odc_hf's default compute path):
+    timings, their fit (``a, b, c, floor``), provenance, overheads."""
     return json.loads(resources.files("odc_hf").joinpath("assets", H200_ASSET).read_text())
 
 
@@ -328,12 +330,29 @@ def scale_cost_model(
     )
 
 
+def flop_rate(reference_model: QuadraticCostModel, reference: ModelShape, *, length: int = 32768) -> float:
+    """FLOP/s the reference calibration reaches on one ``length``-token sequence: its FLOPs
+    ``6·N·s + 6·L·d·s²`` divided by the seconds ``reference_model`` prices that sequence at."""
+    if length <= 0:
+        raise ValueError(f"flop_rate: length must be > 0, got {length}")
+    flops = (
+        6.0 * reference.num_matmul_params * length
+        + 6.0 * reference.num_layers * reference.attn_dim * length**2
+    )
+    return flops / reference_model.microbatch_cost([length])
+
+
 def flop_cost_model(
-    reference_model: QuadraticCostModel, reference: ModelShape, target: ModelShape
+    reference_model: QuadraticCostModel, reference: ModelShape, target: ModelShape, *, length: int = 32768
 ) -> QuadraticCostModel:
-    """Pure FLOPs ``6·N·s + 6·L·d·s²`` at the throughput the reference calibration reaches on long sequences
-    (``6·N_ref / b_ref`` FLOP/s); no launch floor, no per-microbatch overhead."""
-    flops_per_s = 6.0 * reference.num_matmul_params / reference_model.b
+    """Pure FLOPs ``6·N·s + 6·L·d·s²`` at the throughput the reference calibration reaches on long sequences:
+    :func:`flop_rate` at ``length`` tokens (the calibration's longest length; 32,768 for the shipped one). No
+    launch floor, no per-microbatch overhead.
+
+    Not ``6·N_ref / b_ref``: a fit with a per-microbatch intercept ``a`` has a smaller per-token ``b`` than the
+    long-sequence throughput implies (the shipped 2026-12-02 fit gives 661 TFLOP/s that way, above what the GPU
+    reached; at 32,768 tokens the fit gives 528 TFLOP/s and the measured row 530)."""
+    flops_per_s = flop_rate(reference_model, reference, length=length)
     return QuadraticCostModel(
         a=0.0,
         b=6.0 * target.num_matmul_params / flops_per_s,
@@ -343,18 +362,21 @@ def flop_cost_model(
 
 def load_cost_model(spec: str, shape: ModelShape) -> tuple[QuadraticCostModel, str]:
     """``(cost model in seconds, description)`` for ``spec``: ``"h200"`` (the shipped calibration, scaled to
-    ``shape`` by FLOPs when the shape differs), ``"flop"`` (:func:`flop_cost_model`), or a calibration JSON path
+    ``shape`` by FLOPs when the shape differs), ``"flop"`` (:func:`flop_cost_model` at the calibration's rate on its
+    longest sequence, :func:`flop_rate`), or a calibration JSON path
     (used as is: it was measured on your model and GPU)."""
     if spec in ("h200", "flop"):
         asset = h200_calibration()
         reference = ModelShape(**asset["model_shape"])
         measured = calibration_from_dict(asset)
         if spec == "flop":
-            model = flop_cost_model(measured, reference, shape)
-            rate = 6.0 * reference.num_matmul_params / measured.b / 1e12
+            length = max(asset["lengths"])
+            model = flop_cost_model(measured, reference, shape, length=length)
+            rate = flop_rate(measured, reference, length=length) / 1e12
             return (
                 model,
-                f"FLOP model at {rate:.0f} TFLOP/s (the H200 calibration's long-sequence rate): {model.describe()}",
+                f"FLOP model at {rate:.0f} TFLOP/s (the H200 calibration's rate on one {length:,}-token sequence): "
+                f"{model.describe()}",
             )
         same = (reference.num_matmul_params, reference.num_layers, reference.attn_dim) == (
             shape.num_matmul_params,
@@ -396,7 +418,8 @@ def load_cost_model(spec: str, shape: ModelShape) -> tuple[QuadraticCostModel, s
 
 
 def h200_overheads() -> StepOverheads:
-    """Per-parameter step overheads measured with the shipped calibration (see the asset's provenance)."""
+    """Per-parameter step overheads shipped with the calibration: measured on 2 x H200 (2026-11-29, old compute path;
+    the optimizer step does not depend on it), see the asset's ``step_overhead.source``."""
     data = h200_calibration()["step_overhead"]
     per_gpu = data["params_per_gpu"]
     return StepOverheads(
