@@ -70,6 +70,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import report  # noqa: E402
+from odc_hf.integrations import cuda_allocator  # noqa: E402
 from odc_hf.run import SAFE_GPU_ENV  # noqa: E402
 
 for _k, _v in SAFE_GPU_ENV.items():
@@ -80,11 +81,10 @@ GIB = 1024**3
 # per part: workload, TRL max_length (= ODC's token budget), packed rows per step, samples drawn
 SFT_PARTS = {"sft_longalign": ("longalign", 32768), "sft_tulu": ("tulu", 16384)}
 SFT_VARIANTS = ("T", "O", "T+", "O_sdpa", "T2", "O_noexp", "T+x", "T+t", "O_cute")
-EXPANDABLE = "expandable_segments:True"
 # variants that differ from T+ / O only in environment variables (set in their child before CUDA starts)
 ENV_VARIANTS = {
-    "O_noexp": {"ODC_EXPANDABLE_SEGMENTS": "0"},  # torch's default CUDA allocator
-    "T+x": {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE},  # TRL with O's allocator setting
+    "O_noexp": {cuda_allocator.OPT_OUT_ENV: "0"},  # torch's default CUDA allocator
+    "T+x": {cuda_allocator.SETTING_ENV: cuda_allocator.VALUE},  # TRL with O's allocator setting
     "T+t": {"LIGER_KERNEL_IMPL_ROPE": "nvidia-triton"},  # TRL with O's Liger RoPE (Triton)
     "O_cute": {"LIGER_KERNEL_IMPL_ROPE": "nvidia-cutedsl"},  # O with liger-kernel's own RoPE choice on Hopper
 }
@@ -208,7 +208,7 @@ def allocator_setting() -> dict:
     sits in expandable segments (``torch.cuda.memory_snapshot()``)."""
     import torch
 
-    setting = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    setting = cuda_allocator.user_setting()
     if not torch.cuda.is_available():
         return {"setting": setting}
     segments = torch.cuda.memory_snapshot()
