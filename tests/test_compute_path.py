@@ -286,8 +286,9 @@ def test_calibration_copies_of_a_two_layer_model_build_with_four_layers():
     assert config.num_hidden_layers == 2 and len(config.layer_types) == 2  # the model's own config is untouched
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied_head", "tied_head"])
 @pytest.mark.parametrize("peft", [False, True])
-def test_calibration_copies_of_a_peft_model_keep_its_adapter(peft):
+def test_calibration_copies_of_a_peft_model_keep_its_adapter(peft, tied):
     """calibrate_memory's copies of a LoRA model: its base architecture with the same adapter config (so the same
     parameters are trainable). Calling the PeftModel's class with a config raised TypeError in every LoRA run on a
     GPU (seen on one H200: tests/test_gpu_one_device.py::test_odc_lora_sft_on_cuda_matches_trl_lora)."""
@@ -297,7 +298,7 @@ def test_calibration_copies_of_a_peft_model_keep_its_adapter(peft):
     from odc_hf.integrations.compute_path import TRL_FUSED_HEAD, small_copy
 
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)  # fmt: skip
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)  # fmt: skip
     model = Qwen2ForCausalLM(config)
     if peft:
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
