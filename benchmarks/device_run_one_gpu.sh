@@ -2,7 +2,7 @@
 # One-GPU runs on the device machine (one H200). Usage: ODC_COMMIT=<hash> bash benchmarks/device_run_one_gpu.sh STAGE
 # Wheels (ignored folders, see tests/README.md): .whl/ holds trl, datasets, dill, multiprocess, liger_kernel and
 # FlashAttention-4's small wheels plus the first part of nvidia_cutlass_dsl_libs_cu13 (split -b 46000000: over one
-# call's 64 MiB), .whl2/ the second part. Stages run back to back (the machine goes back after 30 s idle):
+# call's 64 MiB), .whl2/ the second part and whichever small FA4 wheels do not fit in .whl next to the working tree. Stages run back to back (the machine goes back after 30 s idle):
 #   1: copy FA4's wheels to /tmp/fa, install the others; README command 1, pytest -m gpu (no FA4) (~4 min)
 #   2: join and install FA4 (--target /tmp/fa4); single_gpu.py sft_longalign T,O,T+,T+t,O_sdpa,T2 (~8.5 min)
 #   3: single_gpu.py sft_tulu T,O,T+,O_sdpa,T+t; lora (~9 min)
@@ -16,10 +16,13 @@ export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 OUT=${OUT:-/tmp/out} ODC_CO
 mkdir -p "$OUT"
 stage=$1
 if [ "$stage" = 1 ]; then
-  mkdir -p /tmp/fa && cp .whl/cu13part_aa .whl/flash_attn_4* .whl/nvidia_cutlass* .whl/apache* .whl/torch_c* \
-    .whl/quack* /tmp/fa/ || exit 1
+  mkdir -p /tmp/fa && cp .whl/cu13part_aa /tmp/fa/ || exit 1
+  for w in .whl/flash_attn_4* .whl/nvidia_cutlass* .whl/apache* .whl/torch_c* .whl/quack*; do  # those that fit here
+    [ -f "$w" ] && cp "$w" /tmp/fa/
+  done
 fi
 if [ ! -d /tmp/fa4/flash_attn ] && [ -f /tmp/fa/cu13part_aa ] && [ -f .whl2/cu13part_ab ]; then  # stage 2 or 5 after 1
+  cp .whl2/*.whl /tmp/fa/ 2>/dev/null  # FA4 wheels that did not fit next to the first part
   cat /tmp/fa/cu13part_aa .whl2/cu13part_ab > /tmp/fa/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
     && rm /tmp/fa/cu13part_aa
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4 /tmp/fa/*.whl \
