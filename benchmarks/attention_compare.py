@@ -6,10 +6,20 @@
 
 - LongAlign-like rows: single documents of 16k and 32k tokens, and a packed 32k row 16k + 8k + 4k + 4k;
 - Tulu-like rows: 16k and 32k rows of 40+ documents of 50-1,500 tokens (log-uniform, seeded);
-- a GRPO-like group: 64 sequences of a 256-token prompt + a completion log-uniform over 64-4,096 tokens, as TRL's
-  padded microbatches (prompts left-padded, completions right-padded, ``per_device_train_batch_size`` rows at most,
-  rows x width within the budget: ``odc_hf.balance.padded.pack_padded``) and as packed rows (the same sequences back
-  to back, ``grpo_batch.pack_rows``, rows within the budget), TRL's loss input: the completion tokens' log-probs.
+- a GRPO-like group: 64 sequences of a 256-token prompt + a completion log-uniform over 64-4,096 tokens, in four
+  layouts of the same tokens, each microbatch within the same token budget (rows x width, or packed tokens):
+
+  - ``padded``: ODCGRPOTrainer's padded layout (``grpo_layout="padded"``) as it runs on this device: the samples
+    binned by length (``odc_hf.balance.padded.pack_padded``, ``GRPO_ROWS`` rows at most), prompts left-padded,
+    completions right-padded, rows rounded up to ``CUDA_PAD_TO_MULTIPLE_OF`` columns on CUDA (the trainer's guard
+    against cuDNN's NaN, ``odc_hf.integrations.grpo_batch``);
+  - ``padded unrounded`` (CUDA only): the same bins without the rounding (the least padding a padded layout has);
+  - ``trl``: TRL's own layout: microbatches of consecutive samples of the generation batch, every row padded to the
+    longest completion of the whole batch (TRL pads once per generation), as many rows as the budget holds;
+  - ``packed``: the same sequences back to back (``grpo_batch.pack_rows``), rows within the budget (the trainer's
+    ``grpo_layout="packed"``, what ``auto`` picks on a varlen attention),
+
+  TRL's loss input: the completion tokens' log-probs.
 
 Each (row, attention) pair is warmed up once (its first call, FA4's kernel compilation included, is recorded as
 ``first_s``), then timed ``--repeats`` times, the attentions interleaved repeat by repeat; seconds are medians of CUDA
@@ -70,35 +80,51 @@ def _sft_batch(docs, vocab, device, seed):
     return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}]
 
 
-def grpo_microbatches(completions, prompt, vocab, device, budget, *, packed: bool, seed: int = 0) -> list[dict]:
-    """The group as model inputs: TRL's padded microbatches, or packed rows (``pack_rows``), each with ``labels`` that
-    score the completion tokens (TRL's ``_get_per_token_logps_and_entropies``)."""
+GRPO_LAYOUTS = ("padded", "padded unrounded", "trl", "packed")
+
+
+def grpo_groups(completions, prompt, budget, layout: str, multiple: int) -> tuple[list[list[int]], list[int]]:
+    """Which samples each microbatch of ``layout`` holds, and its completion width (columns after the prompt)."""
+    import numpy as np
+
+    from odc_hf.balance.padded import pack_padded, padded_width
+    from odc_hf.balance.planner import pack_first_fit_decreasing
+
+    lengths = [prompt + c for c in completions]
+    order = list(range(len(completions)))
+    if layout == "packed":
+        groups = pack_first_fit_decreasing(order, np.asarray(lengths), budget)
+        return groups, [max(completions[i] for i in g) for g in groups]
+    if layout == "trl":  # one width for the whole generation batch; consecutive samples, as many rows as fit
+        width = max(completions)
+        rows = max(1, budget // (prompt + width))
+        return [order[i : i + rows] for i in range(0, len(order), rows)], [width] * -(-len(order) // rows)
+    multiple = multiple if layout == "padded" else 1
+    groups = [mb[i : i + GRPO_ROWS]
+              for mb in pack_padded(order, lengths, budget, prompts=[prompt] * len(lengths), multiple=multiple)
+              for i in range(0, len(mb), GRPO_ROWS)]  # fmt: skip
+    return groups, [padded_width(prompt, max(completions[i] for i in g), multiple) for g in groups]
+
+
+def grpo_microbatches(completions, prompt, vocab, device, budget, *, layout: str, multiple: int = 1,
+                      seed: int = 0) -> list[dict]:  # fmt: skip
+    """The group as model inputs in ``layout`` (:data:`GRPO_LAYOUTS`), each microbatch with ``labels`` that score the
+    completion tokens (TRL's ``_get_per_token_logps_and_entropies``); the same tokens in every layout."""
     import torch
 
-    from odc_hf.balance.padded import pack_padded
-    from odc_hf.balance.planner import pack_first_fit_decreasing
     from odc_hf.integrations.grpo_batch import pack_rows
 
     g = torch.Generator().manual_seed(seed)
     lengths = [prompt + c for c in completions]
-    order = list(range(len(completions)))
-    if packed:
-        import numpy as np
-
-        groups = pack_first_fit_decreasing(order, np.asarray(lengths), budget)
-    else:
-        groups = [mb[i : i + GRPO_ROWS] for mb in pack_padded(order, lengths, budget, prompts=[prompt] * len(lengths))
-                  for i in range(0, len(mb), GRPO_ROWS)]  # fmt: skip
-    sequences = [torch.randint(1, vocab, (n,), generator=g) for n in lengths]  # the same tokens in both layouts
+    sequences = [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
     out = []
-    for group in groups:
-        width = max(completions[i] for i in group)
+    for group, width in zip(*grpo_groups(completions, prompt, budget, layout, multiple)):
         ids = torch.zeros((len(group), prompt + width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, i in enumerate(group):
             ids[r, : lengths[i]] = sequences[i]
             mask[r, : lengths[i]] = 1
-        if packed:
+        if layout == "packed":
             batch = pack_rows(ids, mask, width)
             batch.pop("index")
         else:
@@ -157,9 +183,18 @@ def run(size: str, attns: list[str], args: dict) -> dict:
     longest = args.get("max_tokens") or 10**9  # SIZE:TOKENS in --models: rows up to that many tokens (7B: 16384)
     work = {name: (docs, _sft_batch(docs, config.vocab_size, device, i))
             for i, (name, docs) in enumerate(rows(tiny)) if sum(docs) <= longest}  # fmt: skip
-    for layout in ("padded", "packed"):
-        mbs = grpo_microbatches(completions, prompt, config.vocab_size, device, budget, packed=layout == "packed")
+    from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
+
+    multiple = CUDA_PAD_TO_MULTIPLE_OF if device.type == "cuda" else 1  # as ODCGRPOTrainer pads on this device
+    for layout in GRPO_LAYOUTS:
+        if layout == "padded unrounded" and multiple == 1:
+            continue  # the same as "padded" here
+        mbs = grpo_microbatches(completions, prompt, config.vocab_size, device, budget, layout=layout,
+                                multiple=multiple)  # fmt: skip
         work[f"grpo {layout}"] = ([prompt + c for c in completions], mbs)
+    only = args.get("rows")
+    if only:  # --rows: names starting with one of these prefixes
+        work = {k: v for k, v in work.items() if any(k.startswith(p) for p in only)}
     reference = {}
     with torch.no_grad():  # fp32, sdpa_varlen (packed rows) / sdpa with the mask (padded: the mask function)
         for name, (_, mbs) in work.items():
@@ -203,7 +238,7 @@ def run(size: str, attns: list[str], args: dict) -> dict:
             r = entry[a]
             r.update(row=name, attention=a, implementation=names[a], seconds=statistics.median(timings[a]),
                      times=timings[a], docs=len(docs), tokens=sum(docs), microbatches=len(mbs),
-                     reference_loss=reference[name])  # fmt: skip
+                     padded_tokens=sum(int(b["input_ids"].numel()) for b in mbs), reference_loss=reference[name])  # fmt: skip
             r["loss_rel_err"] = abs(r["loss"] - reference[name]) / abs(reference[name])
             if not name.startswith("grpo"):
                 r["mfu"] = float(flops.doc_costs(docs).sum()) / (r["seconds"] * args["peak_tflops"] * 1e12)
@@ -265,12 +300,16 @@ def render(payload: dict) -> str:
                      for a in attns]  # fmt: skip
             ratio = f" | {per[attns[1]]['seconds'] / first['seconds']:.2f}x" if len(attns) > 1 else ""
             lines.append(f"| {row} | {first['docs']} | {first['microbatches']} | " + " | ".join(cells) + ratio + " |")
-        grpo = {k: by_row.get(f"grpo {k}") for k in ("padded", "packed")}
-        if all(grpo.values()):
-            lines += ["", "GRPO-like group, speedup of the packed layout over the padded one (fwd+bwd of the whole group; "
-                      f"fp32 reference losses {grpo['packed'][attns[0]]['reference_loss']:.6f} packed, "
-                      f"{grpo['padded'][attns[0]]['reference_loss']:.6f} padded): "
-                      + "; ".join(f"{a}: {grpo['padded'][a]['seconds'] / grpo['packed'][a]['seconds']:.2f}x"
-                                  for a in attns)]  # fmt: skip
+        packed = by_row.get("grpo packed")
+        others = [k for k in GRPO_LAYOUTS[:-1] if by_row.get(f"grpo {k}")]
+        if packed and others:
+            lines += ["", "GRPO-like group, speedup of the packed layout over each padded one (fwd+bwd of the whole "
+                      f"group, {packed[attns[0]]['tokens']:,} tokens; fp32 reference loss "
+                      f"{packed[attns[0]]['reference_loss']:.6f} packed), per attention:", ""]  # fmt: skip
+            for k in others:
+                row = by_row[f"grpo {k}"]
+                lines.append(f"- over `{k}` ({row[attns[0]].get('padded_tokens', 0):,} tokens with padding; reference loss "
+                             f"{row[attns[0]]['reference_loss']:.6f}): "
+                             + "; ".join(f"{a}: {row[a]['seconds'] / packed[a]['seconds']:.2f}x" for a in attns))
         lines.append("")
     return "\n".join(lines)

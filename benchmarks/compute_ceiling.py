@@ -252,6 +252,9 @@ def main(argv=None) -> None:
                         help="attn_implementation (sdpa_varlen, sdpa, ...); a comma list (auto, flash_attention_4, "
                              "sdpa_varlen): those side by side, interleaved (benchmarks/attention_compare.py)")
     parser.add_argument("--ac", default="none", help="activation checkpointing of the --attn list comparison")
+    parser.add_argument("--rows", default=None,
+                        help="--attn list comparison: only the rows whose names start with one of these comma-separated "
+                             "prefixes (e.g. grpo, tulu)")  # fmt: skip
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
@@ -302,7 +305,8 @@ def compare_attention(args) -> None:
     env = report.environment()
     payload = {"env": env, "args": vars(args), "peak_tflops": PEAK_TFLOPS, "models": [], "failed": []}
     stem = f"attention_compare_{report.hardware_tag(env)}_{report.today()}{args.tag}"
-    options = {"tiny": args.tiny, "repeats": args.repeats, "ac": args.ac, "peak_tflops": PEAK_TFLOPS}
+    options = {"tiny": args.tiny, "repeats": args.repeats, "ac": args.ac, "peak_tflops": PEAK_TFLOPS,
+               "rows": [p.strip() for p in args.rows.split(",") if p.strip()] if args.rows else None}  # fmt: skip
     ctx = mp.get_context("spawn")
     markdown = ""
     for size, tokens in sizes:

@@ -7,6 +7,9 @@
 #   2: join and install FA4 (--target /tmp/fa4); single_gpu.py sft_longalign T,O,T+,T+t,O_sdpa,T2 (~8.5 min)
 #   3: single_gpu.py sft_tulu T,O,T+,O_sdpa,T+t; lora (~9 min)
 #   4: single_gpu.py resume, grpo (~6 min)
+#   0: stage 1's copying and installing only (before 6)
+#   6 (after 0 or 1, carrying .whl2): compute_ceiling.py FA4 vs sdpa_varlen on the GRPO-like group in its four layouts
+#      (padded as ODCGRPOTrainer pads on CUDA, padded unrounded, TRL's, packed), 9 repeats (~5 min)
 #   5 (after 1, carrying .whl2): FA4's GPU tests and the LoRA test on FA4; compute_ceiling.py FA4 vs sdpa_varlen on
 #      the 1.5B rows and the GRPO-like group padded vs packed, 7 repeats (~7 min)
 # Results go under $OUT (one tarball per stage: the device returns at most 8 files); trainers' checkpoints stay out.
@@ -15,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 OUT=${OUT:-/tmp/out} ODC_COMMIT=${ODC_COMMIT:-unknown}
 mkdir -p "$OUT"
 stage=$1
-if [ "$stage" = 1 ]; then
+if [ "$stage" = 1 ] || [ "$stage" = 0 ]; then
   mkdir -p /tmp/fa && cp .whl/cu13part_aa /tmp/fa/ || exit 1
   for w in .whl/flash_attn_4* .whl/nvidia_cutlass* .whl/apache* .whl/torch_c* .whl/quack*; do  # those that fit here
     [ -f "$w" ] && cp "$w" /tmp/fa/
@@ -66,5 +69,10 @@ if [ "$stage" = 5 ]; then
   say "fa4 tests"
   timeout 360 python3 benchmarks/compute_ceiling.py --attn flash_attention_4,sdpa_varlen --models 1.5B \
     --repeats 7 --out "$OUT" > "$OUT/attention_compare.log" 2>&1; tail -4 "$OUT/attention_compare.log"; say "attention"
+fi
+if [ "$stage" = 6 ]; then
+  timeout 420 python3 benchmarks/compute_ceiling.py --attn flash_attention_4,sdpa_varlen --models 1.5B --rows grpo \
+    --repeats 9 --tag _grpo --out "$OUT" > "$OUT/attention_compare_grpo.log" 2>&1
+  tail -8 "$OUT/attention_compare_grpo.log"; say "grpo layouts"
 fi
 cd "$OUT" && tar czf /tmp/stage.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/stage.tgz "$OUT/stage$stage.tgz"; ls -la "$OUT"
