@@ -9,11 +9,12 @@
 - a GRPO-like group: 64 sequences of a 256-token prompt + a completion log-uniform over 64-4,096 tokens, in four
   layouts of the same tokens, each microbatch within the same token budget (rows x width, or packed tokens):
 
-  - ``padded``: ODCGRPOTrainer's padded layout (``grpo_layout="padded"``) as it runs on this device: the samples
-    binned by length (``odc_hf.balance.padded.pack_padded``, ``GRPO_ROWS`` rows at most), prompts left-padded,
-    completions right-padded, rows rounded up to ``CUDA_PAD_TO_MULTIPLE_OF`` columns on CUDA (the trainer's guard
-    against cuDNN's NaN, ``odc_hf.integrations.grpo_batch``);
-  - ``padded unrounded`` (CUDA only): the same bins without the rounding (the least padding a padded layout has);
+  - ``padded``: ODCGRPOTrainer's padded layout (``grpo_layout="padded"``) as it runs on this device under
+    ``sdpa``/``sdpa_varlen``: the samples binned by length (``odc_hf.balance.padded.pack_padded``, ``GRPO_ROWS`` rows
+    at most), prompts left-padded, completions right-padded, rows rounded up to ``CUDA_PAD_TO_MULTIPLE_OF`` columns
+    on CUDA (the guard against cuDNN's NaN, ``odc_hf.integrations.grpo_batch.padded_columns_multiple``);
+  - ``padded unrounded`` (CUDA only): the same bins without the rounding: the trainer's padded layout under
+    FlashAttention, and the least padding a padded layout has;
   - ``trl``: TRL's own layout: microbatches of consecutive samples of the generation batch, every row padded to the
     longest completion of the whole batch (TRL pads once per generation), as many rows as the budget holds;
   - ``packed``: the same sequences back to back (``grpo_batch.pack_rows``), rows within the budget (the trainer's
@@ -185,7 +186,7 @@ def run(size: str, attns: list[str], args: dict) -> dict:
             for i, (name, docs) in enumerate(rows(tiny)) if sum(docs) <= longest}  # fmt: skip
     from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
 
-    multiple = CUDA_PAD_TO_MULTIPLE_OF if device.type == "cuda" else 1  # as ODCGRPOTrainer pads on this device
+    multiple = CUDA_PAD_TO_MULTIPLE_OF if device.type == "cuda" else 1  # as ODCGRPOTrainer pads here on sdpa
     for layout in GRPO_LAYOUTS:
         if layout == "padded unrounded" and multiple == 1:
             continue  # the same as "padded" here

@@ -10,6 +10,7 @@
 #   0: stage 1's copying and installing only (before 6)
 #   6 (after 0 or 1, carrying .whl2): compute_ceiling.py FA4 vs sdpa_varlen on the GRPO-like group in its four layouts
 #      (padded as ODCGRPOTrainer pads on CUDA, padded unrounded, TRL's, packed), 9 repeats (~5 min)
+#   7 (after 0 or 1, carrying .whl2): the GRPO GPU tests, FA4's included (~4 min)
 #   5 (after 1, carrying .whl2): FA4's GPU tests and the LoRA test on FA4; compute_ceiling.py FA4 vs sdpa_varlen on
 #      the 1.5B rows and the GRPO-like group padded vs packed, 7 repeats (~7 min)
 # Results go under $OUT (one tarball per stage: the device returns at most 8 files); trainers' checkpoints stay out.
@@ -74,5 +75,9 @@ if [ "$stage" = 6 ]; then
   timeout 420 python3 benchmarks/compute_ceiling.py --attn flash_attention_4,sdpa_varlen --models 1.5B --rows grpo \
     --repeats 9 --tag _grpo --out "$OUT" > "$OUT/attention_compare_grpo.log" 2>&1
   tail -8 "$OUT/attention_compare_grpo.log"; say "grpo layouts"
+fi
+if [ "$stage" = 7 ]; then
+  timeout 400 python3 -m pytest -m gpu -rP -q -p no:cacheprovider tests/test_gpu_one_device.py -k grpo \
+    > "$OUT/gpu_tests_grpo.log" 2>&1; tail -2 "$OUT/gpu_tests_grpo.log"; say "grpo tests"
 fi
 cd "$OUT" && tar czf /tmp/stage.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/stage.tgz "$OUT/stage$stage.tgz"; ls -la "$OUT"

@@ -54,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--use_peft", action="store_true", help="train LoRA adapters (peft) instead of the whole model")
     p.add_argument("--lora_r", type=int, default=8, help="LoRA rank (with --use_peft), on q_proj and v_proj")
+    p.add_argument("--head_dim", type=int, choices=[16, 64], default=16,
+                   help="the tiny model's head_dim: 64 is a wider tiny model FlashAttention-4 can run")
     p.add_argument("--untied_lm_head", action="store_true",
                    help="tiny model only: an lm_head of its own (Llama / Mistral style) instead of the tied embedding")
     p.add_argument("--report_to", default="none")
@@ -126,11 +128,12 @@ def fixed_rollouts(tokenizer, max_completion_length: int):
 def build_model(args, tokenizer, output_dir: Path):
     """The policy: a hub id / local path, or the tiny offline model. With ``--beta`` TRL builds the reference model
     from the policy's path, so the tiny model is saved to disk and passed by path."""
-    from odc_hf.data import tiny_qwen2_model
+    from odc_hf.data import TINY_HEAD_DIM_64, tiny_qwen2_model
 
     if args.model_name_or_path:
         return args.model_name_or_path
-    model = tiny_qwen2_model(tokenizer, seed=args.seed, tie_word_embeddings=not args.untied_lm_head)
+    wide = TINY_HEAD_DIM_64 if args.head_dim == 64 else {}
+    model = tiny_qwen2_model(tokenizer, seed=args.seed, tie_word_embeddings=not args.untied_lm_head, **wide)
     if args.beta == 0.0:
         return model
     path = output_dir / "init_model"

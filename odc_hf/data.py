@@ -284,6 +284,11 @@ def tiny_qwen2_config(
     )
 
 
+TINY_HEAD_DIM_64 = {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 256}
+"""``tiny_qwen2_config`` keyword arguments for a tiny model with head_dim 64, the smallest FlashAttention-4 runs
+(the default tiny model has head_dim 16)."""
+
+
 def tiny_qwen2_model(tokenizer, seed: int = 0, **config_kwargs) -> transformers.Qwen2ForCausalLM:
     """Randomly initialised ``Qwen2ForCausalLM`` sized to ``tokenizer`` (pad/eos ids in the config).
 

@@ -33,10 +33,9 @@ def _lora():
 
 def _model(tokenizer, attn: str, head_dim: int | None):
     import odc_hf.attention  # noqa: F401 - registers "sdpa_varlen"
-    from odc_hf.data import tiny_qwen2_model
+    from odc_hf.data import TINY_HEAD_DIM_64, tiny_qwen2_model
 
-    # head_dim 64: what FlashAttention-4 takes (the default tiny model has 16)
-    wide = {"hidden_size": 128, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 256} if head_dim == 64 else {}
+    wide = TINY_HEAD_DIM_64 if head_dim == 64 else {}  # what FlashAttention-4 takes (the default tiny model has 16)
     if head_dim not in (None, 64):
         raise ValueError(f"head_dim: 64 or the tiny default, got {head_dim}")
     model = tiny_qwen2_model(tokenizer, seed=sft_runs.SEED, **wide)
@@ -117,13 +116,18 @@ def one_process_run(out: Path, *args) -> dict:
 
 def grpo_run(out: Path, trainer: str, *args) -> list[dict]:
     """``examples/grpo.py --trainer TRAINER --fixed_rollouts`` (2 steps, dapo) in a new plain process: its history."""
+    return grpo_result(out, trainer, *args)["history"]
+
+
+def grpo_result(out: Path, trainer: str, *args) -> dict:
+    """:func:`grpo_run`'s whole record: ``history``, and for ODC ``steps``, ``attention`` and ``packed``."""
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
            **sft_runs.launch_env(), "ODC_NO_RELAUNCH": "1"}  # fmt: skip
     cmd = [sys.executable, str(ROOT / "examples/grpo.py"), "--trainer", trainer, "--fixed_rollouts", "--max_steps", "2",
            "--loss_type", "dapo", "--output_dir", str(out), "--losses_json", str(out / "losses.json"), *map(str, args)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads((out / "losses.json").read_text())["dapo"]["history"]
+    return json.loads((out / "losses.json").read_text())["dapo"]
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import sft_runs
 import torch
-from one_process_runs import grpo_run, one_process_run
+from one_process_runs import grpo_result, grpo_run, one_process_run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -108,6 +108,27 @@ def test_odc_grpo_on_cuda_matches_trl(tmp_path):
     for a, b in zip(odc, trl):
         assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL, abs=1e-6), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=GRAD_NORM_RTOL), (a, b)
+
+
+@pytest.mark.skipif(not _flash_attention_4_available(), reason="FlashAttention-4 is not installed")
+def test_odc_grpo_bf16_on_fa4_packed_and_padded_match_fp32(tmp_path):
+    # ODCGRPOTrainer on FlashAttention-4 (bf16, head_dim 64), packed rows and the padded layout (rows of their exact
+    # width there: FA4 unpads them, no 128-column rounding), vs the fp32 run of the same model on sdpa_varlen.
+    # With num_iterations=1 the GRPO loss is the advantages' weighted mean (ratio exp(logp - logp.detach()) = 1), so
+    # it hardly depends on the kernels; the gradient norm carries bf16's rounding: bound 5e-2 relative.
+    wide = ("--head_dim", "64")
+    ref = grpo_run(tmp_path / "fp32", "odc", *wide, "--attention", "sdpa_varlen")
+    for layout in ("packed", "padded"):
+        run = grpo_result(tmp_path / layout, "odc", *wide, "--bf16", "--attention", "flash_attention_4",
+                          "--grpo_layout", layout)  # fmt: skip
+        assert run["attention"]["implementation"] == "flash_attention_4" and run["packed"] == (layout == "packed")
+        history = run["history"]
+        assert [h["step"] for h in history] == [h["step"] for h in ref] == [1, 2]
+        print(f"GRPO bf16 FA4 {layout} vs fp32 sdpa_varlen (loss, grad norm):",
+              [((a["loss"], b["loss"]), (a["grad_norm"], b["grad_norm"])) for a, b in zip(history, ref)])
+        for a, b in zip(history, ref):
+            assert a["loss"] == pytest.approx(b["loss"], rel=2e-2, abs=1e-4), (layout, a, b)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2), (layout, a, b)
 
 
 def test_odc_lora_sft_on_cuda_matches_trl_lora(tmp_path):

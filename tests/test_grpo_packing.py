@@ -206,6 +206,18 @@ def test_collate_pads_rows_to_the_multiple_with_masked_completion_columns():
     assert wide["completion_mask"][:, 59:].sum() == 0 and wide["num_label_tokens"] == plain["num_label_tokens"] == 68
 
 
+def test_padded_rows_are_rounded_only_where_cudnn_masked_attention_runs_them():
+    from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF, padded_columns_multiple
+
+    assert CUDA_PAD_TO_MULTIPLE_OF == 128
+    assert padded_columns_multiple("cuda", "sdpa") == 128
+    assert padded_columns_multiple("cuda", "sdpa_varlen") == 128  # padded rows fall back to sdpa with the mask
+    assert padded_columns_multiple("cuda", None) == 128
+    assert padded_columns_multiple("cuda", "flash_attention_4") == 1  # unpads the rows: no masked kernel
+    assert padded_columns_multiple("cuda", "flash_attention_2") == 1
+    assert padded_columns_multiple("cpu", "sdpa") == padded_columns_multiple("cpu", "sdpa_varlen") == 1
+
+
 def test_budget_holds_for_the_real_padded_width():
     """TRL pads rows to the longest prompt plus the longest completion (then to the column multiple): with prompt
     lengths the packing keeps rows x that width within the budget (a lone sample may exceed it)."""

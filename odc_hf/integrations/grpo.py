@@ -45,12 +45,12 @@ from odc_hf.balance.padded import padded_microbatch_width, plan_padded
 from odc_hf.balance.planner import PLANNERS
 from odc_hf.integrations.attention_setup import is_varlen, prepare_attention
 from odc_hf.integrations.grpo_batch import (
-    CUDA_PAD_TO_MULTIPLE_OF,
     PACKED_KEY,
     SUPPORTED_LOSS_TYPES,
     GRPOBundle,
     collate,
     pack_rows,
+    padded_columns_multiple,
     sample_length,
     sample_weights,
     scatter_packed,
@@ -122,10 +122,10 @@ class _GRPOPart:
 
     def _odc_packed_layout(self) -> bool:
         """``ODCConfig.grpo_layout`` resolved. ``auto`` packs under a varlen attention that gains from it: the flash
-        implementations (FlashAttention-4: 1.50x over padded rows for a GRPO-like group on one H200), and sdpa_varlen
-        off CUDA. It keeps TRL's padded rows under sdpa_varlen on CUDA (per-document SDPA calls and 1,024-token
-        buckets: 2.75 s packed vs 2.23 s padded) and under dense-mask attentions (``sdpa``, ``eager``: a packed
-        row would cost full-row attention)."""
+        implementations (FlashAttention-4, one H200, a GRPO-like group of 64 sequences: packed rows 1.19-1.22x the
+        padded layout in three runs, 2.4x TRL's; benchmarks/results/attention_compare_h200x1_2026-12-02_grpo.md), and sdpa_varlen off CUDA.
+        It keeps the padded rows under sdpa_varlen on CUDA (per-document SDPA calls: 2.71 s packed vs 2.31 s padded
+        there) and under dense-mask attentions (``sdpa``, ``eager``: a packed row would cost full-row attention)."""
         layout = self.odc_config.grpo_layout
         if layout != "auto":
             return layout == "packed"
@@ -133,6 +133,7 @@ class _GRPOPart:
         if implementation.startswith("flash_attention"):
             return True
         return is_varlen(implementation) and self.accelerator.device.type != "cuda"
+
     def _odc_install_ref(self):
         """Put the (frozen, never updated) reference model on ODC too: its no-grad forwards gather one-sidedly."""
         from odc_hf.fsdp import install_odc, is_sharded, shard_model
@@ -238,8 +239,10 @@ class _GRPOPart:
         samples = [s for part in gathered for s in part]
         lengths = [sample_length(s) for s in samples]
         packed = self.odc_grpo_packed
-        # the cuDNN NaN workaround (CUDA_PAD_TO_MULTIPLE_OF) concerns masked padded rows only
-        multiple = CUDA_PAD_TO_MULTIPLE_OF if self.accelerator.device.type == "cuda" and not packed else 1
+        # the cuDNN NaN workaround (CUDA_PAD_TO_MULTIPLE_OF) concerns masked padded rows on cuDNN only
+        multiple = 1 if packed else padded_columns_multiple(
+            self.accelerator.device.type, (self.odc_attention or {}).get("implementation")
+        )
         prompts = [int(s["prompt_ids"].numel()) for s in samples]
         # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
         # layout (docs/configuration.md): TRL's own, per_device rows of the widest padded row it could form here
