@@ -115,7 +115,8 @@ def test_odc_grpo_bf16_on_fa4_packed_and_padded_match_fp32(tmp_path):
     # ODCGRPOTrainer on FlashAttention-4 (bf16, head_dim 64), packed rows and the padded layout (rows of their exact
     # width there: FA4 unpads them, no 128-column rounding), vs the fp32 run of the same model on sdpa_varlen.
     # With num_iterations=1 the GRPO loss is the advantages' weighted mean (ratio exp(logp - logp.detach()) = 1), so
-    # it hardly depends on the kernels; the gradient norm carries bf16's rounding: bound 5e-2 relative.
+    # it hardly depends on the kernels; the gradient norm carries bf16's rounding. Measured on one H200 (2026-12-02,
+    # commit 4ba2e97): losses 1e-7, gradient norms 1.2e-4 (packed) / 6.1e-4 (padded) relative; bound 1e-2.
     wide = ("--head_dim", "64")
     ref = grpo_run(tmp_path / "fp32", "odc", *wide, "--attention", "sdpa_varlen")
     for layout in ("packed", "padded"):
@@ -128,7 +129,7 @@ def test_odc_grpo_bf16_on_fa4_packed_and_padded_match_fp32(tmp_path):
               [((a["loss"], b["loss"]), (a["grad_norm"], b["grad_norm"])) for a, b in zip(history, ref)])
         for a, b in zip(history, ref):
             assert a["loss"] == pytest.approx(b["loss"], rel=2e-2, abs=1e-4), (layout, a, b)
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2), (layout, a, b)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-2), (layout, a, b)
 
 
 def test_odc_lora_sft_on_cuda_matches_trl_lora(tmp_path):
