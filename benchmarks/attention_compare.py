@@ -99,7 +99,8 @@ def grpo_groups(completions, prompt, budget, layout: str, multiple: int) -> tupl
     if layout == "trl":  # one width for the whole generation batch; consecutive samples, as many rows as fit
         width = max(completions)
         rows = max(1, budget // (prompt + width))
-        return [order[i : i + rows] for i in range(0, len(order), rows)], [width] * -(-len(order) // rows)
+        groups = [order[i : i + rows] for i in range(0, len(order), rows)]
+        return groups, [width] * len(groups)
     multiple = multiple if layout == "padded" else 1
     groups = [mb[i : i + GRPO_ROWS]
               for mb in pack_padded(order, lengths, budget, prompts=[prompt] * len(lengths), multiple=multiple)
@@ -184,9 +185,10 @@ def run(size: str, attns: list[str], args: dict) -> dict:
     longest = args.get("max_tokens") or 10**9  # SIZE:TOKENS in --models: rows up to that many tokens (7B: 16384)
     work = {name: (docs, _sft_batch(docs, config.vocab_size, device, i))
             for i, (name, docs) in enumerate(rows(tiny)) if sum(docs) <= longest}  # fmt: skip
-    from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
+    from odc_hf.integrations.grpo_batch import padded_columns_multiple
 
-    multiple = CUDA_PAD_TO_MULTIPLE_OF if device.type == "cuda" else 1  # as ODCGRPOTrainer pads here on sdpa
+    # ODCGRPOTrainer's rule: its padded rows under sdpa_varlen here ("padded unrounded": under FlashAttention)
+    multiple = padded_columns_multiple(device.type, attention.VARLEN_ATTENTION)
     for layout in GRPO_LAYOUTS:
         if layout == "padded unrounded" and multiple == 1:
             continue  # the same as "padded" here

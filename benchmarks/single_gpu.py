@@ -34,8 +34,8 @@ Each variant runs in its own process, forked from this one after the imports (no
 no Liger patches left by another variant), in the order T, O, T+, O_sdpa, T2 (interleaved: every other run is TRL's).
 The CUDA allocator's setting is recorded per variant (T as users run TRL: torch's default; O: odc_hf's default,
 expandable segments, odc_hf/integrations/cuda_allocator.py), with its flush-and-retry count per step
-(``num_alloc_retries``). Per step: seconds over the whole step (all microbatches, clipping, optimizer; ``cuda.synchronize`` at both ends;
-data loading excluded for all), tokens, loss, and the peak allocated memory. Tokens/s: the step group's tokens over
+(``num_alloc_retries``). Per step: seconds over the whole step (all microbatches, clipping, optimizer;
+``cuda.synchronize`` at both ends; data loading excluded for all), tokens, loss, and the peak allocated memory. Tokens/s: the step group's tokens over
 the step seconds, steps after ``--warmup`` (the first steps carry compilation: FA4's, cuDNN's plans); the
 warm-up steps are reported on their own.
 
@@ -480,7 +480,7 @@ def run_grpo_variant(args, variant: str, out: Path, *, generate: bool) -> dict:
 
     tiny = args.model == "tiny"
     # fixed rollouts: completion lengths log-uniform up to 2048 (32x spread); generate(): a random model rarely
-    # samples EOS, so every completion runs to the cap: 512 keeps those steps to seconds
+    # samples EOS, so every completion runs to the cap: 256 keeps those steps to seconds
     high = 64 if tiny else (256 if generate else 2048)
     tok = tokenizer()
     tok.padding_side = "left"
