@@ -124,6 +124,23 @@ def training_device():
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
+def peak_memory_gib(trainer) -> list[float] | None:
+    """Every rank's peak CUDA memory (GiB, torch's allocator) over the run; ``None`` on CPU. Collective."""
+    import torch
+
+    device = trainer.accelerator.device
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    if trainer.accelerator.num_processes == 1:
+        return [peak]
+    import torch.distributed as dist
+
+    peaks: list = [None] * trainer.accelerator.num_processes
+    dist.all_gather_object(peaks, peak)
+    return peaks
+
+
 def build_dataset(args, tokenizer, vocab_size: int):
     from datasets import Dataset, load_dataset
 
@@ -174,6 +191,7 @@ def main(argv=None):
     trainer = ODCSFTTrainer(model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer,
                             odc_config=odc_config)  # fmt: skip
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    peak_memory_per_rank = peak_memory_gib(trainer)  # a collective: every rank
     if trainer.accelerator.is_main_process:
         history = [h for h in trainer.state.log_history if "loss" in h]
         summary = getattr(trainer, "odc_summary", {})
@@ -183,6 +201,7 @@ def main(argv=None):
                 for s in trainer.odc_stats.steps
             ]
             mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)  # fully_shard's (HSDP: 2-D)
+            summary = {**summary, "peak_memory_gib_per_rank": peak_memory_per_rank}
             Path(args.losses_json).write_text(
                 json.dumps({"history": history, "summary": summary, "steps": steps,
                             "attention": trainer.odc_attention, "attention_warm_up": trainer.odc_attention_warm_up,
@@ -191,7 +210,7 @@ def main(argv=None):
             )
         world = trainer.accelerator.num_processes
         mode = (
-            "ODC"
+            f"ODC over the {trainer.odc.describe()}"
             if trainer.odc is not None
             else ("FSDP2 collectives" if world > 1 else "single process, no ODC")
         )

@@ -20,6 +20,7 @@ CHECKPOINTING_NAMES = ("auto", "full", "none")
 KERNEL_CHOICES = ("auto", "liger", "none")
 ATTENTION_CHOICES = ("auto", "flash_attention_4", "sdpa_varlen", "model")
 GRPO_LAYOUTS = ("auto", "packed", "padded")
+PEER_MEMORY_CHOICES = ("auto", "symmetric_memory", "ipc")  # odc_hf.transport.peer_memory (checked equal in a test)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +82,12 @@ class ODCConfig:
         plan_ahead: plan this many optimizer steps ahead in a background thread of the data loader (0: plan each
             step when the loader asks for it). Planning 65,536 samples over 1,024 ranks takes 0.1-0.4 s; ahead, it
             overlaps the training step instead of delaying it. Same plans either way.
+        cuda_peer_memory: how the CUDA transport's ranks map each other's buffers. ``auto``: torch symmetric memory
+            when every rank has a GPU of its own, CUDA IPC when ranks share a GPU (or symmetric memory is missing);
+            ``symmetric_memory`` or ``ipc`` to force one. Logged once. docs/transports.md.
+        deterministic: bit-identical accumulation on CUDA: every owner keeps one fp32 accumulator slot per sender
+            and sums them in rank order (as the CPU transport always does), instead of atomic adds in arrival
+            order. Costs ``world_size - 1`` more fp32 copies of each rank's trainable shard (docs/transports.md).
     """
 
     enabled: bool = True
@@ -100,6 +107,8 @@ class ODCConfig:
     grpo_layout: str = "auto"
     global_batch_size: int | None = None
     plan_ahead: int = 0
+    cuda_peer_memory: str = "auto"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:
@@ -145,6 +154,8 @@ class ODCConfig:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
+        if self.cuda_peer_memory not in PEER_MEMORY_CHOICES:
+            raise ValueError(f"cuda_peer_memory must be one of {PEER_MEMORY_CHOICES}, got {self.cuda_peer_memory!r}")
         if self.grpo_layout not in GRPO_LAYOUTS:
             raise ValueError(f"grpo_layout must be one of {GRPO_LAYOUTS}, got {self.grpo_layout!r}")
         if self.cost_model not in ("flop", "tokens") and not self.cost_model.endswith(".json"):

@@ -35,11 +35,10 @@ class LaunchPlan:
 def plan_launch(processes: int, gpus: int | None = None) -> LaunchPlan:
     """Decide how ``processes`` processes run on a machine with ``gpus`` visible CUDA devices (``None``: ask torch).
 
-    ODC needs one GPU per process: two processes cannot share one GPU (NCCL refuses "Duplicate GPU detected", torch
-    symmetric memory refuses overlapping devices; DESIGN.md section 6). So with fewer GPUs than processes the
-    processes run on CPU (gloo, shared memory; the real ODC path), with CUDA hidden from them: a CPU rank must not
-    create a CUDA context or pick a device from its LOCAL_RANK (rank 1 on a one-GPU machine asked for device 1 and
-    failed with "invalid device ordinal"). One process needs no launcher: it runs here, on the GPU if there is one.
+    Two or more processes run ODC on the GPUs: one GPU each where there are enough, else ranks share them (the
+    shared-GPU mode, ``odc_hf.integrations.shared_gpu``: gloo process group, CUDA IPC peer memory; for development
+    and tests, not speed). Without a GPU they run on CPU (gloo, shared memory; the real ODC path). One process
+    needs no launcher: it runs here, on the GPU if there is one.
     """
     if processes < 1:
         raise ValueError(f"processes must be at least 1, got {processes}")
@@ -61,14 +60,12 @@ def plan_launch(processes: int, gpus: int | None = None) -> LaunchPlan:
         return LaunchPlan(processes, "cpu.yaml", "cpu", False,
                           f"odc_hf: launching {processes} processes with accelerate_configs/cpu.yaml (no GPU "
                           "found: CPU ranks, gloo, shared-memory ODC transport)")  # fmt: skip
-    found = f"{gpus} GPU" + ("s" if gpus > 1 else "")
+    where = "cuda:0" if gpus == 1 else f"{gpus} GPUs"
     return LaunchPlan(
-        processes, "cpu.yaml", "cpu", True,
-        f"odc_hf: launching {processes} processes with accelerate_configs/cpu.yaml on CPU, CUDA hidden from them "
-        f"(CUDA_VISIBLE_DEVICES=''). Found {found}: ODC needs one GPU per process (two processes cannot share a "
-        f"GPU), so the {processes}-process ODC demo runs on CPU (gloo, shared-memory transport). To train on your "
-        "GPU, run one process: add --num_processes 1 (ODC then has nothing to communicate; docs/quickstart.md, "
-        '"One GPU").',
+        processes, "odc.yaml", "cuda", False,
+        f"odc_hf: launching {processes} processes with accelerate_configs/odc.yaml (FSDP2 + ODC): {processes} ranks "
+        f"share {where}: for development and tests, not speed (process group gloo, CUDA IPC peer memory; "
+        "docs/quickstart.md, \"One GPU\")",
     )  # fmt: skip
 
 
@@ -141,6 +138,10 @@ def main(argv: list[str] | None = None) -> None:
         prefer_expandable_segments()  # before anything starts CUDA in this process (odc_hf/integrations/cuda_allocator.py)
     except ValueError as err:
         raise SystemExit(f"odc_hf.run: {err}") from None
+    if "LOCAL_RANK" in os.environ:  # a launched rank: ranks sharing a GPU need gloo before the target starts NCCL
+        from odc_hf.integrations import shared_gpu
+
+        shared_gpu.init_process_group()
     from odc_hf.config import ODCConfig
 
     try:

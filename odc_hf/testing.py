@@ -1,9 +1,10 @@
 """Run a function on N spawned ranks with torch.distributed initialised: for tests, examples and benchmarks.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh processes, initialises the default
-process group (gloo on CPU, nccl on GPU: rank r uses ``cuda:r``) through a rendezvous store the parent holds on a
-port the OS picked (port 0: no free-port race), calls ``fn(rank, world_size, *args)`` and returns the per-rank
-results. A rank that raises or dies is reported with its traceback or exit code; the
+process group (gloo on CPU; with ``cuda=True`` rank r computes on ``cuda:<r % GPUs>``, over nccl when every rank has
+a GPU of its own and over gloo when ranks share one: :func:`cuda_backend`) through a rendezvous store the parent
+holds on a port the OS picked (port 0: no free-port race), calls ``fn(rank, world_size, *args)`` and returns the
+per-rank results; :func:`rank_device` tells ``fn`` its device. A rank that raises or dies is reported with its traceback or exit code; the
 parent never waits longer than ``timeout_s``.
 
 On Linux the ranks are forked from a multiprocessing fork server that imported torch, transformers, accelerate and
@@ -83,6 +84,26 @@ def _rendezvous_store(world_size: int):
                          wait_for_workers=False)  # fmt: skip
 
 
+DEVICE_VARIABLE = "RUN_RANKS_DEVICE"
+
+
+def cuda_backend(world_size: int) -> str:
+    """The process group for ``world_size`` CUDA ranks on this machine: nccl with a GPU per rank, else gloo (ranks
+    sharing a GPU; NCCL refuses them)."""
+    import torch
+
+    return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+
+
+def rank_device():
+    """Inside a :func:`run_ranks` rank: its GPU when started with ``cuda=True``, else the CPU."""
+    import torch
+
+    if os.environ.get(DEVICE_VARIABLE) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _entry(rank, world_size, port, backend, fn, args, queue, env):
     os.environ.clear()  # the caller's environment now, not the fork server's from when it started
     os.environ.update(env)
@@ -96,8 +117,10 @@ def _entry(rank, world_size, port, backend, fn, args, queue, env):
     if "OMP_NUM_THREADS" in env:  # read by OpenMP when torch was imported, which may have been in the fork server
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
+        cuda = env.get(DEVICE_VARIABLE) == "cuda" or backend == "nccl"
+        if cuda:
+            os.environ[DEVICE_VARIABLE] = "cuda"
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=_RENDEZVOUS_TIMEOUT,
@@ -130,12 +153,19 @@ def run_ranks(
     env: dict[str, str] | None = None,
     raise_on_failure: bool = True,
     start_method: str | None = None,
+    cuda: bool = False,
 ) -> list[Any] | list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes (see the module docstring).
+
+    ``cuda=True``: every rank on a GPU (``cuda:<rank % GPUs>``; :func:`rank_device`), the process group
+    :func:`cuda_backend` unless ``backend`` is given as ``"nccl"``.
 
     Returns the list of values (``raise_on_failure=True``, raising :class:`RanksFailed` otherwise) or the
     list of :class:`RankOutcome` (``raise_on_failure=False``, for tests where a rank is meant to fail).
     """
+    if cuda:
+        backend = "nccl" if backend == "nccl" else cuda_backend(world_size)
+        env = {**(env or {}), DEVICE_VARIABLE: "cuda"}
     ctx = _context(start_method)
     queue = ctx.Queue()
     store = _rendezvous_store(world_size)  # held until every rank has finished (see the end of this function)

@@ -51,8 +51,13 @@ def tokens(batch: list[torch.Tensor]) -> int:
 
 
 def full(t) -> torch.Tensor:
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from odc_hf.fsdp.state_dict import full_tensor_on_cpu
+
+    if isinstance(t, DTensor) and t.device.type == "cuda" and "gloo" in str(dist.get_backend()):
+        return full_tensor_on_cpu(t).float().clone()  # ranks sharing a GPU: no functional collectives on CUDA
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().clone()
 
 
@@ -74,9 +79,9 @@ def make_optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.01)
 
 
-def reference_run(counts, minibatches: int, max_norm: float = 1.0):
+def reference_run(counts, minibatches: int, max_norm: float = 1.0, *, tie: bool = True):
     """Single process, every microbatch of every rank, loss normalised by the minibatch's token count."""
-    model = tiny_qwen2()
+    model = tiny_qwen2(tie=tie)
     opt = make_optimizer(model)
     record = []
     for m in range(minibatches):
@@ -116,7 +121,7 @@ STARTED: dict[int, float] = {}
 
 def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", *, start=0, save_after=None,
                     load_from=None, checkpoint_dir=None, max_norm=1.0, fail_rank=None, fail_mode="raise",
-                    mesh_shape=None, timeout_s=30):  # fmt: skip
+                    mesh_shape=None, timeout_s=30, tie=True, deterministic=False):  # fmt: skip
     """FSDP2 on the tiny Qwen2 with ``mode`` "odc" (uneven microbatch counts) or "fsdp" (collectives; counts
     padded to the max with zero-weighted microbatches). Returns rank 0's record of grads/norms/params.
 
@@ -130,9 +135,10 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from odc_hf.fsdp import install_odc, shard_model, sum_reduction
+    from odc_hf.testing import rank_device
 
-    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    model = tiny_qwen2().to(device)
+    device = rank_device()  # cuda:<rank % GPUs> under run_ranks(cuda=True): ranks may share a GPU (gloo)
+    model = tiny_qwen2(tie=tie).to(device)
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if policy == "bf16"
@@ -145,7 +151,7 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
     opt = make_optimizer(model)
     odc = None
     if mode == "odc":
-        odc = install_odc(model, timeout_s=timeout_s)
+        odc = install_odc(model, timeout_s=timeout_s, deterministic=deterministic)
         odc.attach_optimizer(opt)
     else:
         sum_reduction(model)  # SUM, like ODC and the reference (gloo has no PREMUL_SUM)
@@ -182,7 +188,7 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
             got = odc.finish_minibatch(tokens(mine))
             assert got == total, (got, total)
         grads = snapshot(model, grads=True)
-        norm = float(full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        norm = clip(model, max_norm, odc)
         opt.step()
         opt.zero_grad()
         record.append({"grads": grads, "norm": norm, "params": snapshot(model, grads=False), "tokens": total,
@@ -192,6 +198,25 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
     if odc is not None:
         odc.close()
     return record if rank == 0 else None
+
+
+def clip(model, max_norm: float, odc) -> float:
+    """Clip as the trainers do: ODC's norm from the local shards (``ODCHandle.clip_grad_norm_``); FSDP2 collectives:
+    torch's ``clip_grad_norm_``, its DTensor norm reduced through CPU tensors where functional collectives cannot
+    run (gloo with CUDA tensors: ranks sharing a GPU)."""
+    import torch.distributed as dist
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    from odc_hf.fsdp.state_dict import full_tensor_on_cpu
+
+    if odc is not None:
+        return float(odc.clip_grad_norm_(model.parameters(), max_norm))
+    params = [p for p in model.parameters() if p.grad is not None]
+    if params[0].device.type == "cuda" and "gloo" in str(dist.get_backend()):
+        total = full_tensor_on_cpu(get_total_norm([p.grad for p in params])).to(params[0].device)
+        clip_grads_with_norm_(params, max_norm, total)
+        return float(total)
+    return float(full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
 
 
 def check_partial_reduce_outputs(odc) -> None:

@@ -44,17 +44,19 @@ def _model(tokenizer, attn: str, head_dim: int | None):
 
 
 def run(trainer_name: str, out: Path, *, attn: str, bf16: bool, peft: bool, save_steps: int, resume: str | None,
-        head_dim: int | None = None):
+        head_dim: int | None = None, zero_rank_first_step: bool = False):
     import torch
 
     from odc_hf.data import default_tokenizer
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 under `accelerate launch` (ranks may share the GPU)
     tokenizer = default_tokenizer()
     saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
     if trainer_name == "odc":  # the ODC config, built before anything starts CUDA, as docs/quickstart.md does
         from odc_hf import ODCSFTConfig
 
-        args = sft_runs.sft_config(out, config_class=ODCSFTConfig, bf16=bf16, **saving)
+        args = sft_runs.sft_config(out, config_class=ODCSFTConfig, bf16=bf16,
+                                   per_device_train_batch_size=sft_runs.MINIBATCH // world, **saving)  # fmt: skip
     model = _model(tokenizer, attn, head_dim)
     data = sft_runs.dataset(tokenizer)
     extra = {"peft_config": _lora()} if peft else {}
@@ -62,7 +64,11 @@ def run(trainer_name: str, out: Path, *, attn: str, bf16: bool, peft: bool, save
     if trainer_name == "odc":
         from odc_hf import ODCConfig, ODCSFTTrainer
 
-        trainer = ODCSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+        trainer_cls = ODCSFTTrainer
+        if zero_rank_first_step:  # the last rank starts training with no microbatch at all
+            trainer_cls = type("ZeroFirstODCSFTTrainer", (ODCSFTTrainer,), {
+                "odc_sampler_class": sft_runs.zero_rank_on_first_step(ODCSFTTrainer.odc_sampler_class)})  # fmt: skip
+        trainer = trainer_cls(model=model, args=args, train_dataset=data, processing_class=tokenizer,
                                 odc_config=ODCConfig(balance="lb_mini", max_tokens_per_microbatch=sft_runs.BUDGET),
                                 **extra)  # fmt: skip
     else:
@@ -71,18 +77,20 @@ def run(trainer_name: str, out: Path, *, attn: str, bf16: bool, peft: bool, save
         data = data.select(sft_runs.minibatch_order(len(data)))  # one whole minibatch per step, in ODC's order
         args = sft_runs.sft_config(out, bf16=bf16, train_sampling_strategy="sequential", **saving)
         trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, **extra)
-    assert trainer.accelerator.num_processes == 1
+    assert trainer.accelerator.num_processes == world
     trainer.train(resume_from_checkpoint=resume)
     result = {"history": sft_runs.trainer_history(trainer), "device": str(trainer.accelerator.device),
-              "attention": model.config._attn_implementation}  # fmt: skip
+              "attention": model.config._attn_implementation, "world": world}  # fmt: skip
     if trainer_name == "odc":
+        result["odc"] = trainer.odc.describe() if trainer.odc is not None else None
         result["compute_path"] = trainer.odc_compute.describe() if trainer.odc_compute is not None else None
         result["microbatches"] = [s.microbatches for s in trainer.odc_stats.steps]
         result["cuda_allocator"] = trainer.odc_cuda_allocator
         result["cuda_alloc_retries"] = [h.get("odc/cuda_alloc_retries") for h in trainer.state.log_history
                                         if "loss" in h]  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "losses.json").write_text(json.dumps(result, indent=1))
+    if trainer.accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "losses.json").write_text(json.dumps(result, indent=1))
     return result
 
 
@@ -96,10 +104,11 @@ def main(argv=None) -> None:
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--head_dim", type=int, default=None, help="64: a wider tiny model (FlashAttention-4's sizes)")
+    p.add_argument("--zero_rank_first_step", action="store_true", help="launched: the last rank's first step is empty")
     a = p.parse_args(argv)
     attn = a.attn or ("sdpa_varlen" if a.trainer == "odc" else "sdpa")
     run(a.trainer, a.out, attn=attn, bf16=a.bf16, peft=a.peft, save_steps=a.save_steps, resume=a.resume,
-        head_dim=a.head_dim)
+        head_dim=a.head_dim, zero_rank_first_step=a.zero_rank_first_step)
 
 
 def one_process_run(out: Path, *args) -> dict:
@@ -111,6 +120,26 @@ def one_process_run(out: Path, *args) -> dict:
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     (out / "log.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    return json.loads((out / "losses.json").read_text())
+
+
+def gpu_launch(*args, processes: int = 2, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file accelerate_configs/odc.yaml --num_processes N *args`` on this machine's
+    GPU(s): with fewer GPUs than processes the ranks share them (gloo, CUDA IPC). Output captured."""
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
+           **sft_runs.launch_env(), "ODC_NO_RELAUNCH": "1"}  # fmt: skip
+    env.pop("ACCELERATE_USE_CPU", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs/odc.yaml"),
+           "--num_processes", str(processes), "--main_process_port", "0", *map(str, args)]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def launched_run(out: Path, *args, processes: int = 2) -> dict:
+    """``tests/one_process_runs.py odc OUT *args`` on ``processes`` GPU ranks (:func:`gpu_launch`); its losses.json."""
+    proc = gpu_launch(ROOT / "tests/one_process_runs.py", "odc", out, *args, processes=processes)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "log.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "losses.json").read_text())
 
 

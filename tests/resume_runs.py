@@ -34,7 +34,7 @@ class _Lines(logging.Handler):
 
 
 def train(rank, world, out, *, resume=None, save_steps=0, save_total_limit=None, max_steps=MAX_STEPS,
-          per_device=None, global_batch_size=None, mesh=None, kill_rank_in_save=None):  # fmt: skip
+          per_device=None, global_batch_size=None, mesh=None, kill_rank_in_save=None, use_cpu=True):  # fmt: skip
     """One trainer on this rank (see the module docstring). ``per_device``: ``per_device_train_batch_size`` (default
     MINIBATCH / world); ``global_batch_size``: ODCConfig's; ``mesh``: ``(replicate, shard)`` for HSDP;
     ``kill_rank_in_save``: ``(rank, step)``, that rank SIGKILLs itself inside the save of that step's checkpoint,
@@ -63,7 +63,7 @@ def train(rank, world, out, *, resume=None, save_steps=0, save_total_limit=None,
     args = SFTConfig(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=per_device or MINIBATCH // world,
         learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, seed=SEED,
-        logging_steps=1, report_to="none", bf16=False, use_cpu=True, max_length=BUDGET, packing=False,
+        logging_steps=1, report_to="none", bf16=False, use_cpu=use_cpu, max_length=BUDGET, packing=False,
         dataloader_drop_last=False, disable_tqdm=True, gradient_checkpointing=False, save_total_limit=save_total_limit,
         parallelism_config=mesh and ParallelismConfig(dp_replicate_size=mesh[0], dp_shard_size=mesh[1]), **saving,
     )  # fmt: skip
@@ -91,13 +91,16 @@ def train(rank, world, out, *, resume=None, save_steps=0, save_total_limit=None,
     return result
 
 
-def train_ranks(world, *runs, timeout_s=300, raise_on_failure=True):
+def train_ranks(world, *runs, timeout_s=300, raise_on_failure=True, cuda=False):
     """``train(**options)`` for each ``(out, options)`` of ``runs``, one after another on the same ``world`` forked
-    ranks; per rank, the list of results (or ``run_ranks``' outcomes with ``raise_on_failure=False``)."""
+    ranks; per rank, the list of results (or ``run_ranks``' outcomes with ``raise_on_failure=False``). ``cuda``: the
+    ranks train on the GPU(s), sharing them when there are fewer than ranks."""
     from odc_hf.testing import run_ranks
 
-    runs = [(str(out), options) for out, options in runs]
-    return run_ranks(_train_entry, world, runs, env=ENV, timeout_s=timeout_s, raise_on_failure=raise_on_failure)
+    runs = [(str(out), {**options, "use_cpu": not cuda}) for out, options in runs]
+    env = {k: v for k, v in ENV.items() if not (cuda and k == "ACCELERATE_USE_CPU")}
+    return run_ranks(_train_entry, world, runs, env=env, timeout_s=timeout_s, raise_on_failure=raise_on_failure,
+                     cuda=cuda)  # fmt: skip
 
 
 def _train_entry(rank, world, runs):

@@ -19,7 +19,7 @@ import torch
 from fsdp_helpers import VOCAB, loss_sum, max_rel_error, microbatch, snapshot, tokens
 from torch.distributed.fsdp import FSDPModule
 
-from odc_hf.testing import run_ranks
+from odc_hf.testing import rank_device, run_ranks
 
 SCHEDULE = [(2, 0), (1, 3), (0, 2)]  # microbatches per rank in each minibatch: uneven, with zeros
 WORLD = 2
@@ -96,7 +96,7 @@ def _run_lora(rank, world_size, variant):
     from odc_hf.fsdp import install_odc, shard_model
 
     base_dtype = torch.bfloat16 if variant in ("mixed", "policy") else torch.float32
-    model = tiny_llama_lora(base_dtype)
+    model = tiny_llama_lora(base_dtype).to(rank_device())  # CUDA ranks (run_ranks(cuda=True)) may share a GPU
     initial_frozen = frozen_of(model)
     policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -105,7 +105,7 @@ def _run_lora(rank, world_size, variant):
     )
     # "replicated": a 2 x 1 (replicate, shard) mesh: no ODC transport, one all-reduce per minibatch
     mesh = (
-        init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+        init_device_mesh(rank_device().type, (2, 1), mesh_dim_names=("replicate", "shard"))
         if variant == "replicated"
         else None
     )
@@ -281,6 +281,26 @@ def test_trainable_param_unused_in_some_microbatches(runs):
     expected = {n: p.detach() for n, p in model.named_parameters()}
     assert max_rel_error(got, expected) <= 1e-5
     assert torch.equal(got["base.weight"], expected["base.weight"])
+
+
+def _lora_on_cuda(rank, world_size):
+    return {v: _run_lora(rank, world_size, v) for v in ("fp32", "mixed", "replicated")}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (2 ranks share it when there is one)")
+def test_lora_on_cuda_matches_single_process():
+    # fp32 LoRA arithmetic on the GPU vs the CPU reference, the same per-sample forwards: the bound of the CPU test
+    # (1e-5), frozen weights bit for bit; one GPU for both ranks (gloo, CUDA IPC) or one each. An untied head (the
+    # tiny Llama's lm_head is its own weight).
+    got = run_ranks(_lora_on_cuda, WORLD, timeout_s=600, cuda=True)[0]
+    for variant, record in got.items():
+        ref = reference(torch.bfloat16 if variant == "mixed" else torch.float32)
+        errors = [max_rel_error(record["trainable"][m], ref[m]) for m in range(len(SCHEDULE))]
+        print(f"LoRA {variant} on CUDA vs one CPU process: {max(errors):.2e} max relative")
+        # "mixed": the bf16 base's matmuls round to bf16 on another device than the CPU reference: bf16 tolerance
+        assert max(errors) <= (3e-2 if variant == "mixed" else 1e-5), (variant, errors)
+        assert record["frozen_unchanged"], variant
 
 
 def test_unit_spec_accumulator_size():

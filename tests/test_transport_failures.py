@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from odc_hf.testing import run_ranks
+from odc_hf.testing import rank_device, run_ranks
 from odc_hf.transport import UnitSpec, make_transport, shm_files
 from odc_hf.transport.base import PeerFailedError, PeerTimeoutError
 
@@ -17,13 +17,13 @@ BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # GPU runs: tes
 
 
 def _skip_unless(backend: str, world_size: int) -> None:
-    if backend == "cuda" and torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} CUDA GPUs")
+    if backend == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (ranks share it when there are fewer GPUs than ranks)")
 
 
-def _setup(rank, backend, timeout_s):
-    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
-    transport = make_transport(device=device, timeout_s=timeout_s)
+def _setup(rank, backend, timeout_s, shm_dir=None):
+    device = rank_device()
+    transport = make_transport(device=device, timeout_s=timeout_s, shm_dir=shm_dir)
     unit = transport.register(UnitSpec(name="layer0", shard_numel=1024, param_dtype=torch.bfloat16))
     transport.barrier(what="publish barrier")
     return transport, unit, device
@@ -31,15 +31,19 @@ def _setup(rank, backend, timeout_s):
 
 # The configured timeout per failure: a dead or raising peer must be reported as such (PeerFailedError) long before
 # a generous timeout; a hung one can only be reported by the timeout, kept short so that the test is quick.
-TIMEOUT_S = {"dies": 60.0, "raises": 60.0, "hangs": 3.0}
+TIMEOUT_S = {"dies": 60.0, "killed": 60.0, "raises": 60.0, "hangs": 3.0}
 
 
-def _victim_ranks(rank, world_size, backend, how, timeout_s, release_dir):
-    transport, unit, device = _setup(rank, backend, timeout_s)
+def _victim_ranks(rank, world_size, backend, how, timeout_s, release_dir, shm_dir):
+    import signal
+
+    transport, unit, device = _setup(rank, backend, timeout_s, shm_dir)
     transport.minibatch = 3
     if rank == world_size - 1:
         if how == "dies":
             os._exit(7)
+        if how == "killed":  # no Python exit path at all: the kernel ends it
+            os.kill(os.getpid(), signal.SIGKILL)
         if how == "hangs":  # until every survivor has given up on it (an event, not a guess at their timing)
             deadline = time.monotonic() + 120
             while len(os.listdir(release_dir)) < world_size - 1 and time.monotonic() < deadline:
@@ -60,15 +64,19 @@ def _victim_ranks(rank, world_size, backend, how, timeout_s, release_dir):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("how", ["dies", "hangs", "raises"])
+@pytest.mark.parametrize("how", ["dies", "killed", "hangs", "raises"])
 def test_failed_peer_is_named_within_the_timeout(backend, how, tmp_path):
     world_size = 2 if backend == "cuda" else 3
     _skip_unless(backend, world_size)
     timeout_s = TIMEOUT_S[how]
+    shm_dir, release_dir = tmp_path / "shm", tmp_path / "release"
+    shm_dir.mkdir()
+    release_dir.mkdir()
     outcomes = run_ranks(
-        _victim_ranks, world_size, backend, how, timeout_s, str(tmp_path),
-        backend="nccl" if backend == "cuda" else "gloo", raise_on_failure=False, timeout_s=180,
+        _victim_ranks, world_size, backend, how, timeout_s, str(release_dir), str(shm_dir),
+        cuda=backend == "cuda", raise_on_failure=False, timeout_s=180,
     )  # fmt: skip
+    assert not list(shm_dir.iterdir()), "a failed job left shared-memory files behind"
     victim = world_size - 1
     for o in outcomes[:victim]:
         assert o.ok, o.error
@@ -85,7 +93,7 @@ def test_failed_peer_is_named_within_the_timeout(backend, how, tmp_path):
             assert kind == "PeerFailedError" and waited < timeout_s / 4, (kind, waited)
         if how == "raises":
             assert "bad batch on the last rank" in message
-        if how == "dies":
+        if how in ("dies", "killed"):
             assert "died" in message
     if how == "hangs":
         assert outcomes[victim].value == "released"

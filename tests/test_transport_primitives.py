@@ -1,7 +1,7 @@
 """Gather is bit-exact and scatter-accumulate is exact under random sizes, delays and uneven push counts.
 
-Each check runs on spawned ranks (gloo on CPU; nccl + symmetric memory on GPUs when at least the needed
-number of GPUs is present: `python -m pytest -m gpu tests/`, see tests/README.md for the last GPU runs). Every rank
+Each check runs on spawned ranks (gloo on CPU; on CUDA: nccl + symmetric memory with a GPU per rank, gloo + CUDA
+IPC when ranks share a GPU: `python -m pytest -m gpu tests/`, see tests/README.md for the last GPU runs). Every rank
 can recompute what every other rank published or pushed from the shared seed, so the expected values are exact, not
 approximations.
 """
@@ -14,23 +14,19 @@ import time
 import pytest
 import torch
 
-from odc_hf.testing import run_ranks
+from odc_hf.testing import rank_device, run_ranks
 from odc_hf.transport import UnitSpec, make_transport
 
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # GPU runs: tests/README.md
 
 
 def _skip_unless(backend: str, world_size: int) -> None:
-    if backend == "cuda" and torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} CUDA GPUs")
+    if backend == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (ranks share it when there are fewer GPUs than ranks)")
 
 
 def _device(backend: str, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
-
-
-def _dist_backend(backend: str) -> str:
-    return "nccl" if backend == "cuda" else "gloo"
+    return rank_device()
 
 
 def _published(seed: int, rank: int, rnd: int, unit: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -70,7 +66,7 @@ def _gather_ranks(rank, world_size, backend, seed, rounds):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gather_is_bit_exact(backend, world_size):
     _skip_unless(backend, world_size)
-    checked = run_ranks(_gather_ranks, world_size, backend, 1234, 3, backend=_dist_backend(backend))
+    checked = run_ranks(_gather_ranks, world_size, backend, 1234, 3, cuda=backend == "cuda")
     assert checked == [3 * 5 * world_size] * world_size
 
 
@@ -127,5 +123,5 @@ def _scatter_ranks(rank, world_size, backend, seed, rounds):
 def test_scatter_accumulate_is_exact_with_uneven_pushes(backend, world_size):
     _skip_unless(backend, world_size)
     rounds = 200 if world_size == 2 else 100
-    done = run_ranks(_scatter_ranks, world_size, backend, 99, rounds, backend=_dist_backend(backend))
+    done = run_ranks(_scatter_ranks, world_size, backend, 99, rounds, cuda=backend == "cuda")
     assert done == [rounds] * world_size

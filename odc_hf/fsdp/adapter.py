@@ -65,6 +65,11 @@ class ODCHandle:
         self._zero_outputs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._closed = False
 
+    def describe(self) -> str:
+        """One line: the transport, the mesh and the device, e.g. for a run's summary."""
+        transport = self.transport.describe() if self.transport is not None else "no shard-group transport (R x 1)"
+        return f"{transport}; mesh {self.topology.describe()}; {self._device()}"
+
     @property
     def replicated(self) -> bool:
         """Whether the mesh is 2-D (HSDP): FSDP2's cross-replica all-reduce is off and ODC's runs instead."""
@@ -206,6 +211,32 @@ class ODCHandle:
                 raise
         self.published = True
 
+    # -- reductions of one number, and clipping ----------------------------------------------------
+    def reduce_sum(self, value: float, *, what: str = "reduction barrier") -> float:
+        """The sum of ``value`` over the shard group (the host barrier, rank order: equal on every rank). On an
+        R x 1 mesh each rank holds whole replicas: its own value is the sum."""
+        if self.transport is None:
+            return float(value)
+        self.transport.minibatch = self.minibatch
+        return self.transport.barrier(float(value), what=what)
+
+    def reduce_max(self, value: float) -> float:
+        """The maximum of ``value`` over the shard group (one all-reduce on the process group)."""
+        if self.transport is None:
+            return float(value)
+        group = self.topology.shard_group
+        on_cpu = "gloo" in str(dist.get_backend(group)).lower()
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device="cpu" if on_cpu else self._device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return float(tensor.item())
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the model's gradients to ``max_norm`` without a functional collective
+        (:func:`odc_hf.fsdp.gradients.clip_grad_norm_`); returns the norm before clipping."""
+        from odc_hf.fsdp.gradients import clip_grad_norm_
+
+        return clip_grad_norm_(self, parameters, max_norm, norm_type)
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer):
         """Publish (the trainable shards) after every ``optimizer.step()``; returns the hook handle."""
         return optimizer.register_step_post_hook(lambda *_: self.publish(frozen=False))
@@ -253,11 +284,14 @@ def install_odc(
     group: dist.ProcessGroup | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     shm_dir: str | None = None,
+    peer_memory: str = "auto",
+    deterministic: bool = False,
 ) -> ODCHandle:
     """Collective: put ODC comms on every FSDP unit of ``model`` and publish the current parameters.
 
     ODC runs over FSDP's shard group, read from the units' mesh (the whole world on a 1-D mesh, one node's
     ranks on a ``(replicate, shard)`` mesh). ``group`` / ``transport``, if given, must span exactly that group.
+    ``peer_memory`` / ``deterministic``: the CUDA transport's options (:func:`odc_hf.transport.make_transport`).
     """
     if not dist.is_initialized():
         raise ValueError("install_odc needs torch.distributed initialised (init_process_group) first")
@@ -277,7 +311,8 @@ def install_odc(
         )
     if transport is None and topology.shard_size > 1:
         device = next(model.parameters()).device
-        transport = make_transport(topology.shard_group, device=device, timeout_s=timeout_s, shm_dir=shm_dir)
+        transport = make_transport(topology.shard_group, device=device, timeout_s=timeout_s, shm_dir=shm_dir,
+                                   peer_memory=peer_memory, deterministic=deterministic)  # fmt: skip
     replicas = None
     if topology.replicate_size > 1:
         replicas = ReplicaSync(topology.shard_group, topology.replicate_group, timeout_s=timeout_s)

@@ -34,7 +34,7 @@ from accelerate.utils import DistributedType
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import ODCHandle, install_odc, is_sharded, shard_model, sum_reduction
 from odc_hf.fsdp.sharding import gather_head_with_final_norm
-from odc_hf.integrations import parallelism
+from odc_hf.integrations import parallelism, shared_gpu
 from odc_hf.integrations.launch_config import check_launch_config
 from odc_hf.integrations.plugin import ODCFSDPPlugin, as_odc_plugin, refuse_other_engines
 
@@ -160,6 +160,8 @@ class ODCAccelerator(Accelerator):
     def __init__(self, *args, fsdp_plugin=None, odc_config: ODCConfig | None = None, **kwargs):
         check_launch_before_accelerate()
         check_cpu_ranks_have_no_gpu_to_pick(use_cpu=bool(kwargs.get("cpu", False)))
+        if not kwargs.get("cpu", False):
+            shared_gpu.init_process_group()  # ranks sharing a GPU: gloo, before accelerate would start NCCL
         refuse_other_engines(kwargs.get("deepspeed_plugin"), kwargs.get("megatron_lm_plugin"))
         plugin = as_odc_plugin(fsdp_plugin, odc_config)
         held = parallelism.take(kwargs.get("parallelism_config"), cpu=kwargs.get("cpu", False))
@@ -206,7 +208,8 @@ class ODCAccelerator(Accelerator):
             return prepared
         if self.odc is not None:
             raise ValueError("ODCAccelerator already prepared a model with ODC")
-        self.odc = install_odc(prepared_model, timeout_s=config.timeout_s, shm_dir=config.shm_dir)
+        self.odc = install_odc(prepared_model, timeout_s=config.timeout_s, shm_dir=config.shm_dir,
+                               peer_memory=config.cuda_peer_memory, deterministic=config.deterministic)  # fmt: skip
         for r in result:
             inner = getattr(r, "optimizer", r)
             if isinstance(inner, torch.optim.Optimizer):
@@ -217,12 +220,54 @@ class ODCAccelerator(Accelerator):
         )  # fmt: skip
         return prepared
 
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Under ODC: the norm from the local gradient shards, summed at ODC's barrier, and the shards scaled in place
+        (:func:`odc_hf.fsdp.gradients.clip_grad_norm_`), instead of accelerate's reduction through
+        ``DTensor.full_tensor()`` (a functional collective; it crashes on gloo with CUDA tensors). Other
+        parameters than the ODC model's: accelerate's own."""
+        parameters = list(parameters)
+        odc = getattr(self, "odc", None)
+        if odc is None or not parameters or not _belongs_to(odc.model, parameters):
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        self.unscale_gradients()
+        return odc.clip_grad_norm_(parameters, max_norm, norm_type)
+
+    def get_state_dict(self, model, unwrap=True):
+        """With ranks sharing a GPU: the full state dict gathered through CPU tensors on the main process (empty
+        elsewhere), as accelerate's FSDP2 path returns it, without ``full_tensor()`` on CUDA tensors over gloo."""
+        if shared_gpu.active() and is_sharded(model):
+            from odc_hf.fsdp.state_dict import full_state_dict
+
+            return full_state_dict(model, rank0_only=True)
+        return super().get_state_dict(model, unwrap=unwrap)
+
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         if self.distributed_type != DistributedType.FSDP and is_sharded(model):
             # Already sharded by us (CPU path): no DDP on top of FSDP2.
             return super().prepare_model(model, device_placement=False, evaluation_mode=True)
         return super().prepare_model(
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
+        )
+
+
+def _belongs_to(model: torch.nn.Module, parameters: list) -> bool:
+    ids = getattr(model, "_odc_param_ids", None)
+    if ids is None:
+        ids = frozenset(id(p) for p in model.parameters())
+        model._odc_param_ids = ids
+    return all(id(p) in ids for p in parameters)
+
+
+def check_shared_gpu_state_dict(accelerator: Accelerator) -> None:
+    """Ranks sharing a GPU cannot write FULL_STATE_DICT checkpoints (accelerate gathers them with
+    ``full_tensor()``, a functional collective that crashes on gloo with CUDA tensors): refuse before training."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    kind = str(getattr(plugin, "state_dict_type", "") or "")
+    if shared_gpu.active() and "FULL_STATE_DICT" in kind:
+        raise ValueError(
+            f"odc_hf: {shared_gpu.describe()}; FULL_STATE_DICT checkpoints are not supported there (accelerate "
+            "gathers them with DTensor.full_tensor(), which crashes on gloo with CUDA tensors): set "
+            "fsdp_state_dict_type: SHARDED_STATE_DICT (accelerate_configs/odc.yaml does)"
         )
 
 
@@ -260,6 +305,8 @@ def adopt(
     accelerator.odc_plugin = plugin
     accelerator.odc: ODCHandle | None = None
     check_world_matches_launch(accelerator)
+    shared_gpu.check_backend()
+    check_shared_gpu_state_dict(accelerator)
     if accelerator.num_processes < 2 and plugin.odc_config.enabled and accelerator.is_main_process:
         logger.warning("odc_hf: a single process has nothing to communicate; training runs without ODC")
     return accelerator

@@ -16,6 +16,7 @@ from dataclasses import field
 from transformers import TrainingArguments
 
 from odc_hf.config import ODCConfig
+from odc_hf.integrations import shared_gpu
 
 PREFIX = "odc_"
 
@@ -74,6 +75,20 @@ class ODCArguments:
     odc_plan_ahead: int | None = field(default=None, metadata={"help": (
         "ODC: optimizer steps planned ahead in a background thread of the data loader, so planning overlaps "
         "training (0: plan when asked; default 0)")})  # fmt: skip
+    odc_cuda_peer_memory: str | None = field(default=None, metadata={"help": (
+        "ODC: how the CUDA transport maps peers' buffers: auto (torch symmetric memory with one GPU per rank, CUDA "
+        "IPC when ranks share a GPU), symmetric_memory or ipc (default auto)")})  # fmt: skip
+    odc_deterministic: bool | None = field(default=None, metadata={"help": (
+        "ODC: bit-identical gradient accumulation on CUDA (one fp32 slot per sender, summed in rank order; "
+        "world_size times the accumulator memory) instead of atomics (default false)")})  # fmt: skip
+
+    def __post_init__(self):
+        # Ranks sharing a GPU (odc_hf.integrations.shared_gpu): gloo, before the base arguments start torch.distributed
+        if hasattr(self, "ddp_backend"):
+            self.ddp_backend = shared_gpu.default_ddp_backend(self.ddp_backend)
+        post_init = getattr(super(), "__post_init__", None)
+        if post_init is not None:
+            post_init()
 
 
 @dataclasses.dataclass

@@ -39,6 +39,7 @@ from odc_hf.balance.memory import (
     describe_checkpointing,
     layers_to_checkpoint,
 )
+from odc_hf.integrations import shared_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -427,8 +428,9 @@ def plan_checkpointing(path: ComputePath, model, *, policy: str, tokens: int, de
         static, fixed = resident_bytes(model, world_size=world_size, compute_dtype=compute_dtype, odc=odc)
         memory = dataclasses.replace(memory, static_bytes=static, fixed_bytes=memory.fixed_bytes + fixed,
                                      num_layers=len(layers))  # fmt: skip
+        # ranks sharing a GPU (shared_gpu) plan against their share of its memory
         total = (device_memory_gib * GIB if device_memory_gib
-                 else torch.cuda.get_device_properties(device).total_memory)  # fmt: skip
+                 else torch.cuda.get_device_properties(device).total_memory / shared_gpu.device_memory_share())  # fmt: skip
         memory, total = _agree(memory, float(total), device)
         n, fits = choose_checkpointing(memory, tokens, DEVICE_HEADROOM * total)
         path.memory_model, path.device_bytes = memory.to_dict(), total

@@ -145,7 +145,8 @@ class _GRPOPart:
             ref.to(self.accelerator.device)
             shard_model(ref)
         config = self.odc_config
-        return install_odc(ref, timeout_s=config.timeout_s, shm_dir=config.shm_dir)  # published once, for good
+        return install_odc(ref, timeout_s=config.timeout_s, shm_dir=config.shm_dir, peer_memory=config.cuda_peer_memory,
+                           deterministic=config.deterministic)  # published once, for good
 
     # -- data: one dataloader batch (this rank's part of a generation batch) per optimizer step --------------
     def get_train_dataloader(self):

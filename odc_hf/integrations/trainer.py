@@ -30,7 +30,7 @@ from transformers import Trainer, TrainerCallback
 from odc_hf.balance import FlopCostModel, ODCBatchSampler, QuadraticCostModel, TokenCostModel
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import is_sharded
-from odc_hf.integrations import compute_path, cuda_allocator, parallelism
+from odc_hf.integrations import compute_path, cuda_allocator, parallelism, shared_gpu
 from odc_hf.integrations.accelerator import (
     adopt,
     check_cpu_ranks_have_no_gpu_to_pick,
@@ -101,6 +101,7 @@ class ODCMixin:
         training_args = self._odc_argument("args", args, kwargs)  # GRPO's is 3rd, not 2nd
         # before the base trainer's first barrier (TRL prepares its dataset "main process first")
         check_cpu_ranks_have_no_gpu_to_pick(use_cpu=bool(getattr(training_args, "use_cpu", False)))
+        shared_gpu.check_backend()  # ranks sharing a GPU: the arguments must have started gloo, not NCCL
         if getattr(training_args, "use_liger_kernel", False):  # where the base trainer applies Liger itself (GRPO)
             compute_path.pin_liger_rope()
         if odc_config is None:  # trainer arguments' odc_* fields, then ODC_* variables, then defaults

@@ -167,6 +167,10 @@ class Transport(abc.ABC):
         self.reset_accumulator(unit)
         return total
 
+    def describe(self) -> str:
+        """One line for logs and summaries: which transport, and how it maps and accumulates."""
+        return type(self).__name__
+
     def abort(self, reason: str) -> None:
         """Tell the peers that this rank failed, so their waits raise at once instead of timing out."""
         if not self._closed:

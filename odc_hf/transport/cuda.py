@@ -1,7 +1,8 @@
-"""GPU transport: torch symmetric memory within a node, copy-engine gathers and Triton atomic accumulation.
+"""GPU transport: peer-mapped buffers within a node, copy-engine gathers and Triton atomic accumulation.
 
-* Each unit gets one symmetric-memory buffer per rank (staging in the parameter dtype, then an fp32
-  accumulator); after the collective ``rendezvous`` every rank holds views of every peer's buffer.
+* Each unit gets one peer-mapped buffer per rank (staging in the parameter dtype, then fp32 accumulation); every
+  rank holds views of every peer's buffer. The buffers come from torch symmetric memory (one GPU per rank) or
+  CUDA IPC (ranks sharing a GPU, or no symmetric memory): :mod:`odc_hf.transport.peer_memory`, ``peer_memory=``.
 * **gather**: ``copy_`` from a peer's staging view is a device-to-device ``cudaMemcpyAsync`` that the copy
   engine executes over NVLink, leaving the SMs to compute (docs/design.md, measurements: 379 GB/s, faster than NCCL's
   all-gather at the same size). It is enqueued on the caller's current stream; FSDP calls us on its own
@@ -9,21 +10,24 @@
 * **scatter-accumulate**: a Triton kernel loads this rank's row for a peer, casts it to fp32 and adds it with
   ``atomic_add(sem="relaxed", scope="sys")`` straight into the peer's accumulator. Atomics make concurrent
   pushes from several senders correct without a daemon or a lock; measured at ~0.95x NCCL reduce-scatter.
+  Float additions in arrival order are not bit-reproducible; ``deterministic=True`` gives every owner one fp32
+  slot per sender instead (a sender adds only into its own slot: no atomics, no races) and the owner sums the
+  slots in rank order, as the CPU transport does: bit-identical runs for ``world_size`` times the accumulator
+  memory.
 * **barrier**: the device is synchronised (our copies and atomics have completed, so they are visible to
   the peers) and then the ranks meet in the host control block (see ``control.py``).
-
-``torch.distributed._symmetric_memory`` is a private module; every use of it is in this file, behind
-:func:`_symmetric_memory`, which checks the torch version and the functions we need.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 
+from odc_hf.transport import peer_memory as peer_memory_module
 from odc_hf.transport import shm_files
 from odc_hf.transport.base import (
     DEFAULT_TIMEOUT_S,
@@ -34,23 +38,10 @@ from odc_hf.transport.base import (
     require_accumulator,
 )
 from odc_hf.transport.control import HostControl
-from odc_hf.version import require_torch
 
 _ACCUMULATE_BLOCK = 4096
-
-
-def _symmetric_memory():
-    """Import torch's symmetric memory module (private API, isolated here) after checking it fits."""
-    require_torch("2.9", "the CUDA ODC transport (torch symmetric memory)")
-    import torch.distributed._symmetric_memory as symm_mem
-
-    missing = [n for n in ("empty", "rendezvous", "set_backend", "get_backend") if not hasattr(symm_mem, n)]
-    if missing:
-        raise RuntimeError(
-            f"torch {torch.__version__} lacks torch.distributed._symmetric_memory.{missing}; "
-            "odc_hf's CUDA transport was checked against torch 2.11 and 2.13"
-        )
-    return symm_mem
+logger = logging.getLogger(__name__)
+_LOGGED: set[tuple[str, str]] = set()
 
 
 @functools.cache
@@ -99,20 +90,29 @@ def atomic_accumulate(dst: torch.Tensor, src: torch.Tensor) -> None:
     kernel[(blocks if cap is None else min(blocks, cap),)](dst, src, n, BLOCK=_ACCUMULATE_BLOCK, num_warps=8)
 
 
+
 class _Unit:
-    def __init__(self, spec: UnitSpec, handle, rank: int, world_size: int, staging_bytes: int, nbytes: int):
+    def __init__(self, spec: UnitSpec, views: list[torch.Tensor], rank: int, staging_bytes: int, slots: int):
         numel, accum = spec.shard_numel, spec.accum_numel
-        views = [handle.get_buffer(p, (nbytes,), torch.uint8) for p in range(world_size)]
         self.spec = spec
-        self.handle = handle  # keeps the mappings alive
         self.staging = [v[:staging_bytes].view(spec.param_dtype)[:numel] for v in views]
+        # accumulators[owner]: (slots, accum) fp32; one row (atomics) or one per sender (deterministic).
         # Gather-only units (accum == 0): empty accumulators, no bytes allocated for them.
-        self.accumulators = [v[staging_bytes : staging_bytes + accum * 4].view(torch.float32) for v in views]
+        self.accumulators = [
+            v[staging_bytes : staging_bytes + slots * accum * 4].view(torch.float32).view(slots, accum) for v in views
+        ]
         self.local = views[rank]
+        self.summed = False  # deterministic mode: whether the owner has folded its slots since the last reset
 
 
 class CudaTransport(Transport):
-    """ODC transport for the GPUs of one node. One process per GPU; ``torch.cuda.set_device`` first."""
+    """ODC transport for the GPUs of one node: ``torch.cuda.set_device`` first (ranks may share a GPU).
+
+    ``peer_memory``: how peers map each other's buffers (:mod:`odc_hf.transport.peer_memory`): ``auto`` (symmetric
+    memory when every rank has a GPU of its own, CUDA IPC when ranks share one), ``symmetric_memory`` or ``ipc``.
+    ``deterministic``: one accumulator slot per sender, summed in rank order (bit-identical runs; ``world_size``
+    times the accumulator memory) instead of atomics into one.
+    """
 
     def __init__(
         self,
@@ -121,8 +121,11 @@ class CudaTransport(Transport):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         device: torch.device | None = None,
         shm_dir: str | None = None,
+        peer_memory: str = "auto",
+        deterministic: bool = False,
     ):
-        self._symm = _symmetric_memory()
+        if peer_memory not in peer_memory_module.PEER_MEMORY_CHOICES:  # before any collective: same on every rank
+            raise ValueError(f"peer_memory must be one of {peer_memory_module.PEER_MEMORY_CHOICES}, got {peer_memory!r}")
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -130,20 +133,43 @@ class CudaTransport(Transport):
         self.device = (
             torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         )
-        if self._symm.get_backend(self.device) is None:
-            self._symm.set_backend("CUDA")
+        self.deterministic = bool(deterministic)
         self.control = HostControl(group, timeout_s=timeout_s, shm_dir=shm_dir)
+        identities: list = [None] * self.world_size
+        dist.all_gather_object(identities, peer_memory_module.device_identity(self.device), group=group)
+        available = (True, "") if peer_memory == "ipc" else peer_memory_module.symmetric_memory_available()
+        self.peer_memory = peer_memory_module.choose(peer_memory, identities, available)
+        self._buffers = peer_memory_module.make_buffers(
+            self.peer_memory.backend, self.group, self.rank, self.world_size, self.device
+        )
+        key = (self.peer_memory.backend, self.peer_memory.reason)
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            logger.info("odc_hf: CUDA transport peer memory: %s (%s, ranks per GPU: %d)%s", self._buffers.name,
+                        self.peer_memory.reason, self.peer_memory.ranks_per_device,
+                        "; deterministic accumulation" if self.deterministic else "")  # fmt: skip
         self.minibatch = 0
         self._units: list[_Unit] = []
+        self._checked = False
         self._closed = False
+
+    def describe(self) -> str:
+        """One line for logs and summaries: the backend and why, and the accumulation mode."""
+        mode = "deterministic slots" if self.deterministic else "atomic accumulation"
+        return f"CUDA transport, {self._buffers.name} ({self.peer_memory.reason}), {mode}"
 
     def register(self, spec: UnitSpec) -> int:
         staging_bytes = shm_files.align(spec.shard_numel * spec.param_dtype.itemsize)
-        nbytes = staging_bytes + spec.accum_numel * 4
-        buffer = self._symm.empty(nbytes, dtype=torch.uint8, device=self.device)
-        buffer.zero_()
-        handle = self._symm.rendezvous(buffer, self.group)
-        unit = _Unit(spec, handle, self.rank, self.world_size, staging_bytes, nbytes)
+        slots = self.world_size if self.deterministic else 1
+        nbytes = staging_bytes + slots * spec.accum_numel * 4
+        views = self._buffers.allocate(nbytes)
+        if not self._checked:  # once: a mapping that does not work stops here, not as wrong gradients later
+            peer_memory_module.check_ipc_allocation(
+                views, self.rank, self.world_size,
+                lambda what: self.control.barrier(what=what, minibatch=self.minibatch),
+            )  # fmt: skip
+            self._checked = True
+        unit = _Unit(spec, views, self.rank, staging_bytes, slots)
         torch.cuda.synchronize(self.device)
         self.control.barrier(what=f"registration of unit {spec.name!r}", minibatch=self.minibatch)
         self._units.append(unit)
@@ -167,19 +193,40 @@ class CudaTransport(Transport):
         rows = check_rows(u.spec, self.world_size, input, "scatter-accumulate input", accumulate=True)
         for step in range(0 if include_self else 1, self.world_size):
             peer = (self.rank + step) % self.world_size
-            atomic_accumulate(u.accumulators[peer], rows[peer])
+            if self.deterministic:  # our own slot of the peer's accumulator: we are its only writer
+                u.accumulators[peer][self.rank].add_(rows[peer])
+            else:
+                atomic_accumulate(u.accumulators[peer][0], rows[peer])
 
     def barrier(self, count: float = 0.0, *, what: str = "minibatch barrier") -> float:
         torch.cuda.synchronize(self.device)
         return self.control.barrier(count, what=what, minibatch=self.minibatch)
 
     def accumulated(self, unit: int) -> torch.Tensor:
-        require_accumulator(self._units[unit].spec, "accumulated()")
-        return self._units[unit].accumulators[self.rank]
+        u = self._units[unit]
+        require_accumulator(u.spec, "accumulated()")
+        slots = u.accumulators[self.rank]
+        if not self.deterministic:
+            return slots[0]
+        if not u.summed:  # fold every sender's slot into our own, in rank order (as the CPU transport)
+            own = slots[self.rank].clone()
+            slots[self.rank].zero_()
+            for sender in range(self.world_size):
+                slots[self.rank] += own if sender == self.rank else slots[sender]
+            u.summed = True
+        return slots[self.rank]
 
     def reset_accumulator(self, unit: int) -> None:
-        self._units[unit].accumulators[self.rank].zero_()
+        u = self._units[unit]
+        u.accumulators[self.rank].zero_()
+        u.summed = False
 
     def _drain(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        super().close()
+        self._buffers.close()

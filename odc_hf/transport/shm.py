@@ -64,6 +64,9 @@ class ShmTransport(Transport):
         self._units: list[_Unit] = []
         self._closed = False
 
+    def describe(self) -> str:
+        return "CPU shared-memory transport, deterministic slots"
+
     def register(self, spec: UnitSpec) -> int:
         specs: list = [None] * self.world_size
         nbytes = _Unit.nbytes(spec, self.world_size)

@@ -1,0 +1,99 @@
+"""A real-size run with its ranks sharing one GPU: ODCSFTTrainer on 2 ranks of one GPU (gloo, CUDA IPC) against one
+process on the same GPU, the same samples in the same order, and the bf16 noise of the one-process run against itself.
+
+    python benchmarks/shared_gpu_real_size.py --out $OUT [--steps 6] [--samples_per_step 4]
+
+Qwen2.5-1.5B shape (random init, bf16, odc_hf's default compute path: TRL's fused LM head, Liger when installed,
+``attention="auto"``, ``activation_checkpointing="auto"``), LongAlign-like rows up to 32k tokens
+(``examples/sft.py --workload longalign``). Runs, one after another: world 1, world 1 again (the noise), world 2
+sharing the GPU. Per-step losses compared against the first world-1 run; peak memory per rank (torch's allocator).
+Writes ``shared_gpu_real_size_<hw>_<date>.md`` + ``.json`` (benchmarks/report.py). Correctness, not speed: two ranks
+on one GPU share its SMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import report  # noqa: E402
+
+
+def run(out: Path, processes: int, args) -> dict:
+    per_device = args.samples_per_step // processes
+    cmd = [sys.executable, str(ROOT / "examples/sft.py"), "--num_processes", str(processes), "--model_shape", "1.5B",
+           "--workload", "longalign", "--max_length", "32768", "--max_tokens_per_microbatch", "32768", "--bf16",
+           "--num_samples", str(args.samples_per_step * args.steps), "--max_steps", str(args.steps),
+           "--per_device_train_batch_size", str(per_device), "--learning_rate", "1e-5", "--output_dir", str(out),
+           "--losses_json", str(out / "losses.json"), "--seed", "0"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "ODC_NO_RELAUNCH")}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+    seconds = time.perf_counter() - start
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "log.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{processes}-process run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    data = json.loads((out / "losses.json").read_text())
+    summary = next((line for line in proc.stdout.splitlines() if line.startswith("odc_hf summary")), "")
+    return {"processes": processes, "seconds": round(seconds, 1), "losses": [h["loss"] for h in data["history"]],
+            "peak_memory_gib_per_rank": data["summary"].get("peak_memory_gib_per_rank"),
+            "microbatches": [s["microbatches"] for s in data["steps"]], "attention": data["attention"],
+            "summary": summary, "command": " ".join(cmd[1:])}  # fmt: skip
+
+
+def rel(a: list[float], b: list[float]) -> list[float]:
+    return [abs(x - y) / abs(y) for x, y in zip(a, b, strict=True)]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--samples_per_step", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=420)
+    args = p.parse_args(argv)
+    env = report.environment()
+    runs = {"world1": run(args.out / "w1", 1, args), "world1_again": run(args.out / "w1b", 1, args),
+            "world2_shared": run(args.out / "w2", 2, args)}  # fmt: skip
+    ref = runs["world1"]["losses"]
+    noise, shared = rel(runs["world1_again"]["losses"], ref), rel(runs["world2_shared"]["losses"], ref)
+    payload = {"environment": env, "runs": runs, "noise_rel": noise, "shared_rel": shared,
+               "within_noise": max(shared) <= max(max(noise), 1e-7) * 4}  # fmt: skip
+    rows = "\n".join(
+        f"| {i + 1} | {ref[i]:.6f} | {runs['world1_again']['losses'][i]:.6f} | {runs['world2_shared']['losses'][i]:.6f} "
+        f"| {noise[i]:.2e} | {shared[i]:.2e} | {runs['world2_shared']['microbatches'][i]} |"
+        for i in range(len(ref))
+    )
+    peaks = {k: r["peak_memory_gib_per_rank"] for k, r in runs.items()}
+    md = f"""# Real-size run, ranks sharing one GPU: 1.5B, LongAlign-like rows to 32k
+
+{report.env_markdown(env)}
+ODCSFTTrainer, Qwen2.5-1.5B shape (random init), bf16, odc_hf's default compute path, {args.samples_per_step}
+LongAlign-like samples per step, {args.steps} steps, the same samples in the same order in every run. World 2: both
+ranks on cuda:0 ({runs['world2_shared']['summary']}).
+
+| step | world 1 | world 1 again | world 2 sharing the GPU | world 1 vs itself (rel.) | world 2 vs world 1 (rel.) | microbatches per rank (world 2) |
+|---:|---:|---:|---:|---:|---:|---|
+{rows}
+
+- bf16 noise (world 1 against itself): max {max(noise):.2e}, median {sorted(noise)[len(noise) // 2]:.2e}
+- world 2 against world 1: max {max(shared):.2e}, median {sorted(shared)[len(shared) // 2]:.2e}
+- peak memory per rank, GiB (torch's allocator): {json.dumps({k: [round(x, 1) for x in v or []] for k, v in peaks.items()})}
+- wall seconds per run: {json.dumps({k: r['seconds'] for k, r in runs.items()})}; attention: {runs['world1']['attention']}
+"""
+    stem = f"shared_gpu_real_size_{report.hardware_tag(env)}_{report.today()}"
+    report.write(args.out, stem, payload, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Several ranks on one GPU: the shared-GPU run mode, for development and tests on a machine with fewer GPUs than
+ranks (correctness, not speed: the ranks share the GPU's SMs and memory).
+
+Entered automatically when a launch starts more processes on a node than the node has visible GPUs
+(``LOCAL_WORLD_SIZE`` > ``torch.cuda.device_count()`` >= 1), e.g. ``python examples/sft.py`` or
+``accelerate launch --config_file accelerate_configs/odc.yaml --num_processes 2 ...`` on a one-GPU machine:
+
+* every rank computes on ``cuda:<local_rank % GPUs>`` (accelerate's own device rule);
+* the process group is **gloo** (NCCL refuses two ranks on one GPU, "duplicate GPU"); gloo runs the few
+  collectives the Trainer and TRL need on CUDA tensors (all-reduce, all-gather, broadcast, barrier);
+* ODC's CUDA transport maps peers' buffers with CUDA IPC (``cuda_peer_memory="auto"``; symmetric memory refuses
+  ranks on one device);
+* the paths that would run torch's functional collectives on gloo + CUDA tensors (``DTensor.full_tensor()``, which
+  crashed the process there) are routed around: gradient-norm clipping is computed from the local shards
+  (:meth:`odc_hf.integrations.accelerator.ODCAccelerator.clip_grad_norm_`) and full state dicts are gathered
+  through CPU tensors (:func:`full_state_dict`);
+* ``activation_checkpointing="auto"`` plans against the GPU's memory divided by the ranks sharing it.
+
+Automatic, not a switch: on such a launch nothing else can run (NCCL cannot start), so there is no choice to make;
+``one line`` on the main process says the mode is on. Arguments that odc_hf builds (``ODCSFTConfig``,
+``ODCGRPOConfig``, ``ODCTrainingArguments``) take ``ddp_backend="gloo"`` by themselves; with transformers' or TRL's
+own arguments, ``python -m odc_hf.run`` and ``ODCAccelerator`` start the gloo group before them, and a Trainer
+whose arguments already started NCCL stops with what to set (``ddp_backend="gloo"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "gloo"
+_ANNOUNCED: list[bool] = []
+
+
+def _int_env(environ, name: str) -> int | None:
+    value = environ.get(name, "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def _cpu_launch(environ) -> bool:
+    return environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
+
+
+def ranks_per_gpu(environ=None, gpus: int | None = None) -> int:
+    """How many ranks of this node share each visible GPU: 1 for one GPU per rank, CPU launches and single
+    processes; ``ceil(LOCAL_WORLD_SIZE / GPUs)`` where a launch started more processes than there are GPUs."""
+    environ = os.environ if environ is None else environ
+    local = _int_env(environ, "LOCAL_WORLD_SIZE")
+    if local is None or local < 2 or _cpu_launch(environ):
+        return 1
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 1 or local <= gpus:
+        return 1
+    return math.ceil(local / gpus)
+
+
+def active(environ=None, gpus: int | None = None) -> bool:
+    """Whether this process is a rank of a shared-GPU launch (:func:`ranks_per_gpu` > 1)."""
+    return ranks_per_gpu(environ, gpus) > 1
+
+
+def describe(environ=None, gpus: int | None = None) -> str:
+    """The one line that says the mode is on, e.g. ``2 ranks share cuda:0: for development and tests, not speed``."""
+    environ = os.environ if environ is None else environ
+    local = _int_env(environ, "LOCAL_WORLD_SIZE") or 1
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = "cuda:0" if gpus == 1 else f"{gpus} GPUs"
+    return f"{local} ranks share {where}: for development and tests, not speed"
+
+
+def announce(environ=None) -> None:
+    """Say once per process, on local rank 0, that the shared-GPU mode is on (a warning: seen at every verbosity)."""
+    environ = os.environ if environ is None else environ
+    if _ANNOUNCED or not active(environ):
+        return
+    _ANNOUNCED.append(True)
+    if _int_env(environ, "LOCAL_RANK") in (0, None):
+        logger.warning("odc_hf: %s (process group gloo, CUDA IPC peer memory; docs/troubleshooting.md)",
+                       describe(environ))  # fmt: skip
+
+
+def device(environ=None) -> torch.device:
+    """This rank's GPU in a shared-GPU launch: ``cuda:<LOCAL_RANK % GPUs>`` (accelerate's rule)."""
+    environ = os.environ if environ is None else environ
+    local_rank = _int_env(environ, "LOCAL_RANK") or 0
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def init_process_group(environ=None, timeout_s: float = 1800.0) -> bool:
+    """In a shared-GPU launch, before anything else starts torch.distributed: set this rank's GPU and initialise
+    the default process group with gloo. Returns whether the mode is on. A no-op elsewhere, or when a process
+    group exists already (then :func:`check_backend` says whether it can serve)."""
+    environ = os.environ if environ is None else environ
+    if not active(environ):
+        return False
+    announce(environ)
+    if dist.is_available() and not dist.is_initialized():
+        torch.cuda.set_device(device(environ))
+        dist.init_process_group(BACKEND, timeout=timedelta(seconds=timeout_s))
+    check_backend(environ)
+    return True
+
+
+def check_backend(environ=None) -> None:
+    """Refuse a shared-GPU launch whose process group is NCCL (its first collective would fail with "duplicate
+    GPU"), saying what to set."""
+    if not (active(environ) and dist.is_available() and dist.is_initialized()):
+        return
+    backend = str(dist.get_backend()).lower()
+    if "nccl" in backend:
+        raise RuntimeError(
+            f"odc_hf: {describe(environ)}, but the process group is {backend}: NCCL refuses two ranks on one GPU "
+            "('duplicate GPU'). Use gloo: ddp_backend='gloo' in the training arguments (odc_hf's ODCSFTConfig / "
+            "ODCGRPOConfig / ODCTrainingArguments set it by themselves), or launch through `python -m odc_hf.run` "
+            "(docs/troubleshooting.md, 'Ranks sharing a GPU')"
+        )
+
+
+def default_ddp_backend(requested: str | None, environ=None) -> str | None:
+    """The ``ddp_backend`` odc_hf's training arguments take: ``gloo`` in a shared-GPU launch (an explicit ``nccl``
+    is refused there), the user's value otherwise."""
+    if not active(environ):
+        return requested
+    if requested not in (None, BACKEND):
+        raise ValueError(
+            f"ddp_backend={requested!r} cannot run here: {describe(environ)}, and only gloo runs several ranks on "
+            "one GPU (leave ddp_backend unset)"
+        )
+    announce(environ)
+    return BACKEND
+
+
+def device_memory_share(environ=None) -> int:
+    """The number of ranks each GPU's memory is divided among (for memory planning): :func:`ranks_per_gpu`."""
+    return ranks_per_gpu(environ)
+
+
+__all__ = [
+    "BACKEND",
+    "active",
+    "announce",
+    "check_backend",
+    "default_ddp_backend",
+    "describe",
+    "device",
+    "device_memory_share",
+    "init_process_group",
+    "ranks_per_gpu",
+]
