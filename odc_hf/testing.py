@@ -111,9 +111,12 @@ def _entry(rank, world_size, port, backend, fn, args, queue, env):
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )  # fmt: skip
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable()  # a rank that crashes (SIGSEGV in a native library) prints where, on stderr
     if "OMP_NUM_THREADS" in env:  # read by OpenMP when torch was imported, which may have been in the fork server
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
@@ -121,6 +124,8 @@ def _entry(rank, world_size, port, backend, fn, args, queue, env):
         if cuda:
             os.environ[DEVICE_VARIABLE] = "cuda"
             torch.cuda.set_device(rank % torch.cuda.device_count())
+            # ranks sharing a GPU: LOCAL_RANK names this rank's GPU (odc_hf.integrations.shared_gpu.localize_rank)
+            os.environ["LOCAL_RANK"] = str(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=_RENDEZVOUS_TIMEOUT,

@@ -201,22 +201,30 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
 
 
 def clip(model, max_norm: float, odc) -> float:
-    """Clip as the trainers do: ODC's norm from the local shards (``ODCHandle.clip_grad_norm_``); FSDP2 collectives:
-    torch's ``clip_grad_norm_``, its DTensor norm reduced through CPU tensors where functional collectives cannot
-    run (gloo with CUDA tensors: ranks sharing a GPU)."""
+    """Clip as the ODC trainers do, in both modes, so that ODC and FSDP2 collectives update bit for bit alike: the
+    local shards' squared norms summed in fp64 (``ODCHandle.clip_grad_norm_``: at ODC's barrier; FSDP2 collectives:
+    the same sum through an all-reduce), then torch's coefficient ``min(1, max_norm / (norm + 1e-6))``. No
+    functional collective, so it also runs where those cannot (gloo with CUDA tensors: ranks sharing a GPU)."""
     import torch.distributed as dist
-    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
-
-    from odc_hf.fsdp.state_dict import full_tensor_on_cpu
+    from torch.distributed.tensor import DTensor
 
     if odc is not None:
         return float(odc.clip_grad_norm_(model.parameters(), max_norm))
-    params = [p for p in model.parameters() if p.grad is not None]
-    if params[0].device.type == "cuda" and "gloo" in str(dist.get_backend()):
-        total = full_tensor_on_cpu(get_total_norm([p.grad for p in params])).to(params[0].device)
-        clip_grads_with_norm_(params, max_norm, total)
-        return float(total)
-    return float(full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+    dtensors = [p.grad for p in model.parameters() if isinstance(p.grad, DTensor)]
+    mesh = dtensors[0].device_mesh if dtensors else None
+    group = mesh.get_group(mesh.ndim - 1) if mesh is not None else None  # HSDP: replicas hold equal shards
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()
+             if p.grad is not None]  # fmt: skip
+    squares = [torch.linalg.vector_norm(g, 2, dtype=torch.float64) ** 2 for g in grads if g.numel()]
+    local = float(torch.stack([s.cpu() for s in squares]).sum()) if squares else 0.0
+    gloo = "gloo" in str(dist.get_backend())
+    total = torch.tensor([local], dtype=torch.float64, device="cpu" if gloo else grads[0].device)
+    dist.all_reduce(total, group=group)  # two ranks: r0 + r1, the barrier's rank-order sum
+    norm = torch.tensor(float(total.item()) ** 0.5, dtype=torch.float32, device=grads[0].device)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coefficient)
+    return float(norm)
 
 
 def check_partial_reduce_outputs(odc) -> None:

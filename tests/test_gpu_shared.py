@@ -13,6 +13,7 @@ The transport's own tier (gather, scatter-accumulate, barrier, timeouts, a peer 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -52,7 +53,8 @@ def test_untied_head_on_cuda_matches_single_process():
     # fp32; the tail unit [norm, lm_head] separate from the embedding. Bound 1e-5 as the tied-head tests
     # (test_fsdp_exact_gradients: the same terms summed in another order; a lost microbatch moves it by >= 1e-1).
     ref = reference_run(COUNTS[2], MINIBATCHES, tie=False)
-    odc = run_ranks(distributed_run, 2, COUNTS[2], MINIBATCHES, "odc", "fp32", tie=False, cuda=True)[0]
+    untied = functools.partial(distributed_run, tie=False)
+    odc = run_ranks(untied, 2, COUNTS[2], MINIBATCHES, "odc", "fp32", cuda=True)[0]
     errors = [max_rel_error(odc[m]["params"], ref[m]["params"]) for m in range(MINIBATCHES)]
     print(f"untied head, 2 ranks on CUDA vs one CPU process: parameters {max(errors):.2e} max relative")
     assert max(errors) <= 1e-5, errors
@@ -77,8 +79,8 @@ def test_deterministic_accumulation_repeats_bit_for_bit(world_size):
     """``ODCConfig(deterministic=True)``: one slot per sender, summed in rank order: two runs bitwise equal. The default
     (atomics in arrival order) is run twice too and its run-to-run difference printed (it may be 0 on a given run)."""
     def run(deterministic):
-        return _bits(run_ranks(distributed_run, world_size, COUNTS[world_size], MINIBATCHES, "odc", "fp32",
-                               deterministic=deterministic, cuda=True)[0])  # fmt: skip
+        fn = functools.partial(distributed_run, deterministic=deterministic)
+        return _bits(run_ranks(fn, world_size, COUNTS[world_size], MINIBATCHES, "odc", "fp32", cuda=True)[0])
 
     first, second = run(True), run(True)
     atomic_a, atomic_b = run(False), run(False)

@@ -5,7 +5,9 @@ Entered automatically when a launch starts more processes on a node than the nod
 (``LOCAL_WORLD_SIZE`` > ``torch.cuda.device_count()`` >= 1), e.g. ``python examples/sft.py`` or
 ``accelerate launch --config_file accelerate_configs/odc.yaml --num_processes 2 ...`` on a one-GPU machine:
 
-* every rank computes on ``cuda:<local_rank % GPUs>`` (accelerate's own device rule);
+* every rank computes on ``cuda:<local_rank % GPUs>``, and its ``LOCAL_RANK`` is set to that GPU's index
+  (:func:`localize_rank`): accelerate's barrier passes ``device_ids=[LOCAL_RANK]``, and a gloo barrier asked for
+  ``cuda:1`` on a one-GPU machine fails with "invalid device ordinal" (measured);
 * the process group is **gloo** (NCCL refuses two ranks on one GPU, "duplicate GPU"); gloo runs the few
   collectives the Trainer and TRL need on CUDA tensors (all-reduce, all-gather, broadcast, barrier);
 * ODC's CUDA transport maps peers' buffers with CUDA IPC (``cuda_peer_memory="auto"``; symmetric memory refuses
@@ -78,12 +80,12 @@ def describe(environ=None, gpus: int | None = None) -> str:
 
 
 def announce(environ=None) -> None:
-    """Say once per process, on local rank 0, that the shared-GPU mode is on (a warning: seen at every verbosity)."""
+    """Say once per process, on rank 0, that the shared-GPU mode is on (a warning: seen at every verbosity)."""
     environ = os.environ if environ is None else environ
     if _ANNOUNCED or not active(environ):
         return
     _ANNOUNCED.append(True)
-    if _int_env(environ, "LOCAL_RANK") in (0, None):
+    if _int_env(environ, "RANK") in (0, None):
         logger.warning("odc_hf: %s (process group gloo, CUDA IPC peer memory; docs/troubleshooting.md)",
                        describe(environ))  # fmt: skip
 
@@ -95,6 +97,18 @@ def device(environ=None) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
+def localize_rank(environ=None) -> None:
+    """In the mode: ``LOCAL_RANK`` := ``LOCAL_RANK % GPUs``, the index of this rank's GPU, before accelerate reads it.
+
+    accelerate takes its device from it (``local_process_index % device_count``: unchanged) and passes it as
+    ``torch.distributed.barrier(device_ids=[local_process_index])``, which a gloo group turns into a tensor on that
+    device: ``cuda:1`` on a one-GPU machine ("invalid device ordinal"). Ranks of the node are told apart by ``RANK``."""
+    environ = os.environ if environ is None else environ
+    local_rank = _int_env(environ, "LOCAL_RANK")
+    if active(environ) and local_rank is not None and torch.cuda.is_available():
+        environ["LOCAL_RANK"] = str(local_rank % torch.cuda.device_count())
+
+
 def init_process_group(environ=None, timeout_s: float = 1800.0) -> bool:
     """In a shared-GPU launch, before anything else starts torch.distributed: set this rank's GPU and initialise
     the default process group with gloo. Returns whether the mode is on. A no-op elsewhere, or when a process
@@ -103,6 +117,7 @@ def init_process_group(environ=None, timeout_s: float = 1800.0) -> bool:
     if not active(environ):
         return False
     announce(environ)
+    localize_rank(environ)
     if dist.is_available() and not dist.is_initialized():
         torch.cuda.set_device(device(environ))
         dist.init_process_group(BACKEND, timeout=timedelta(seconds=timeout_s))
@@ -112,9 +127,20 @@ def init_process_group(environ=None, timeout_s: float = 1800.0) -> bool:
 
 def check_backend(environ=None) -> None:
     """Refuse a shared-GPU launch whose process group is NCCL (its first collective would fail with "duplicate
-    GPU"), saying what to set."""
+    GPU"), or whose ``LOCAL_RANK`` names a GPU that does not exist (accelerate's barrier would fail with "invalid
+    device ordinal"), saying what to set."""
+    environ = os.environ if environ is None else environ
     if not (active(environ) and dist.is_available() and dist.is_initialized()):
         return
+    local_rank = _int_env(environ, "LOCAL_RANK")
+    if local_rank is not None and local_rank >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"odc_hf: {describe(environ)}, but LOCAL_RANK={local_rank} names no GPU: accelerate's barrier would ask "
+            f"for cuda:{local_rank} ('invalid device ordinal'). Let odc_hf set up the ranks before your training "
+            "arguments: use odc_hf's ODCSFTConfig / ODCGRPOConfig / ODCTrainingArguments, launch through "
+            "`python -m odc_hf.run`, or call odc_hf.integrations.shared_gpu.init_process_group() first "
+            "(docs/troubleshooting.md, 'Ranks sharing a GPU')"
+        )
     backend = str(dist.get_backend()).lower()
     if "nccl" in backend:
         raise RuntimeError(
@@ -136,6 +162,7 @@ def default_ddp_backend(requested: str | None, environ=None) -> str | None:
             "one GPU (leave ddp_backend unset)"
         )
     announce(environ)
+    localize_rank(environ)
     return BACKEND
 
 
@@ -154,5 +181,6 @@ __all__ = [
     "device",
     "device_memory_share",
     "init_process_group",
+    "localize_rank",
     "ranks_per_gpu",
 ]
