@@ -35,8 +35,8 @@ fi
 if [ "$stage" = 2 ]; then
   tier gpu_tier_trainers.log 560 tests/test_gpu_shared.py -k "sft or grpo or recipe or elastic or readme"
 fi
-if [ "$stage" = t ]; then  # TESTS="<pytest args>" LIMIT=<s>: a chosen part of the tier
-  tier "gpu_tier_${NAME:-part}.log" "${LIMIT:-560}" $TESTS
+if [ "$stage" = t ]; then  # TESTS="<test files>" KEXPR="<-k expression>" LIMIT=<s> NAME=<log name>: part of the tier
+  tier "gpu_tier_${NAME:-part}.log" "${LIMIT:-560}" $TESTS -k "${KEXPR:-}"
 fi
 if [ "$stage" = 3 ]; then
   timeout 560 python3 benchmarks/shared_gpu_real_size.py --out "$OUT" > "$OUT/real_size.log" 2>&1

@@ -124,13 +124,14 @@ def one_process_run(out: Path, *args) -> dict:
 
 
 def gpu_launch(*args, processes: int = 2, timeout: float = 900) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file accelerate_configs/odc.yaml --num_processes N *args`` on this machine's
-    GPU(s): with fewer GPUs than processes the ranks share them (gloo, CUDA IPC). Output captured."""
+    """``accelerate launch --config_file accelerate_configs/odc.yaml --num_processes N --mixed_precision no *args`` on
+    this machine's GPU(s): with fewer GPUs than processes the ranks share them (gloo, CUDA IPC). Output captured."""
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")},
            **sft_runs.launch_env(), "ODC_NO_RELAUNCH": "1"}  # fmt: skip
     env.pop("ACCELERATE_USE_CPU", None)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs/odc.yaml"),
-           "--num_processes", str(processes), "--main_process_port", "0", *map(str, args)]  # fmt: skip
+           "--num_processes", str(processes), "--main_process_port", "0", "--mixed_precision", "no",
+           *map(str, args)]  # fmt: skip  (the config's bf16 off: the runs' own --bf16 decides, as in one process)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -133,7 +133,7 @@ def _run_lora(rank, world_size, variant):
         return record
     # Accumulator bytes, read from the transport's buffers, against the trainable shards computed from the
     # parameter shapes: ceil(dim0 / world) rows each, fp32. The CPU transport keeps one slot per sender.
-    trainable_shard_bytes = sum(math.ceil(p.shape[0] / world_size) * p[0].numel() * 4
+    trainable_shard_bytes = sum(math.ceil(p.shape[0] / world_size) * math.prod(p.shape[1:]) * 4
                                 for p in model.parameters() if p.requires_grad)  # fmt: skip
     owner_bytes = sum(odc.transport.accumulated(u.id).nbytes for u in odc.units if not u.spec.gather_only)
     allocated = sum(odc.transport.nbytes(u.id).accumulator for u in odc.units)
