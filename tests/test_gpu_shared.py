@@ -173,7 +173,7 @@ def _grpo(out: Path, *args, processes: int) -> dict:
 def test_grpo_on_two_ranks_sharing_the_gpu_matches_trl(tmp_path):
     # fp32, fixed rollouts: ODCGRPOTrainer on 2 ranks (rollouts rebalanced by cost, LB-Mini) vs TRL's GRPOTrainer in one
     # process with the same global batch (4 x 2 per rank x 2 ranks = 8 x 2 in one): bounds as the one-GPU GRPO test.
-    # Measured on CPU (the same two runs): losses 1e-7, gradient norms <= 4.5e-5 relative (KL term, beta 0.05).
+    # Measured on one H200: losses and gradient norms equal to 1e-7.
     odc = _grpo(tmp_path / "odc", "--trainer", "odc", "--max_tokens_per_microbatch", "64", processes=2)
     trl = _grpo(tmp_path / "trl", "--trainer", "trl", "--per_device_train_batch_size", "8", processes=1)
     print("GRPO 2 ranks vs TRL (loss, grad norm):",
@@ -184,8 +184,14 @@ def test_grpo_on_two_ranks_sharing_the_gpu_matches_trl(tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
     from test_grpo_metrics import assert_same_metrics
 
-    # every metric TRL logs (rewards, lengths, kl, entropy, clip ratios), with its value (the CPU parity test's bounds)
-    assert_same_metrics(odc["history"], trl["history"], rel=1e-5, abs=1e-7, skip=("loss", "grad_norm"))
+    # every metric TRL logs, with its value (the CPU parity test's bounds), but those TRL itself defines as a mean of
+    # per-process means (kl, entropy, clip ratios: `gather(masked_mean(...)).nanmean()`), whose values change with
+    # TRL's own number of processes (measured: kl 1.3272e-3 here vs 1.3292e-3 in one process at step 2, with equal
+    # losses and gradient norms); tests/test_grpo_parity.py compares those against TRL on the same 2 ranks.
+    per_process = tuple(k for k in trl["history"][-1] if k == "kl" or k.startswith(("entropy", "clip_ratio")))
+    assert_same_metrics(odc["history"], trl["history"], rel=1e-5, abs=1e-7, skip=("loss", "grad_norm", *per_process))
+    assert set(trl["history"][-1]) <= set(odc["history"][-1]) | {"step_time"}, set(trl["history"][-1]) - set(
+        odc["history"][-1])
 
 
 def test_trl_sft_recipe_with_lora_on_an_untied_head_shares_the_gpu(tmp_path):
