@@ -26,14 +26,23 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import report  # noqa: E402
 
+VARIANTS = {  # name: (processes, extra examples/sft.py flags)
+    "world1": (1, []),
+    "world1_again": (1, []),
+    "world2_shared": (2, []),
+    "world2_shared_again": (2, []),
+    "world2_lb_micro": (2, ["--balance", "lb_micro"]),
+    "world2_fsdp2_collectives": (2, ["--odc", "off", "--balance", "lb_micro"]),
+}
 
-def run(out: Path, processes: int, args) -> dict:
+
+def run(out: Path, processes: int, args, extra=()) -> dict:
     per_device = args.samples_per_step // processes
     cmd = [sys.executable, str(ROOT / "examples/sft.py"), "--num_processes", str(processes), "--model_shape", "1.5B",
            "--workload", "longalign", "--max_length", "32768", "--max_tokens_per_microbatch", "32768", "--bf16",
            "--num_samples", str(args.samples_per_step * args.steps), "--max_steps", str(args.steps),
            "--per_device_train_batch_size", str(per_device), "--learning_rate", "1e-5", "--output_dir", str(out),
-           "--losses_json", str(out / "losses.json"), "--seed", "0"]  # fmt: skip
+           "--losses_json", str(out / "losses.json"), "--seed", "0", *extra]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "ODC_NO_RELAUNCH")}
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
@@ -60,14 +69,28 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--samples_per_step", type=int, default=4)
     p.add_argument("--timeout", type=float, default=420)
+    p.add_argument("--variants", default="world1,world1_again,world2_shared", help=f"of {sorted(VARIANTS)}")
+    p.add_argument("--merge", type=Path, nargs="*", default=[],
+                   help="runs JSON files of earlier calls (same commit, same GPU) to report together with these")
     args = p.parse_args(argv)
     env = report.environment()
-    runs = {"world1": run(args.out / "w1", 1, args), "world1_again": run(args.out / "w1b", 1, args),
-            "world2_shared": run(args.out / "w2", 2, args)}  # fmt: skip
+    runs = {}
+    for path in args.merge:
+        earlier = json.loads(path.read_text())
+        env = earlier["environment"] if not runs else env
+        runs.update(earlier["runs"])
+    for name in filter(None, args.variants.split(",")):
+        processes, extra = VARIANTS[name]
+        runs[name] = run(args.out / name, processes, args, extra)
+    (args.out / "runs.json").write_text(json.dumps({"environment": env, "runs": runs}, indent=1))
+    if "world1" not in runs or "world1_again" not in runs or "world2_shared" not in runs:
+        return
     ref = runs["world1"]["losses"]
     noise, shared = rel(runs["world1_again"]["losses"], ref), rel(runs["world2_shared"]["losses"], ref)
+    same_world = {name: rel(r["losses"], runs["world2_shared"]["losses"]) for name, r in runs.items()
+                  if name.startswith("world2_") and name != "world2_shared"}  # fmt: skip
     payload = {"environment": env, "runs": runs, "noise_rel": noise, "shared_rel": shared,
-               "within_noise": max(shared) <= max(max(noise), 1e-7) * 4}  # fmt: skip
+               "world2_rel_to_world2_shared": same_world}  # fmt: skip
     rows = "\n".join(
         f"| {i + 1} | {ref[i]:.6f} | {runs['world1_again']['losses'][i]:.6f} | {runs['world2_shared']['losses'][i]:.6f} "
         f"| {noise[i]:.2e} | {shared[i]:.2e} | {runs['world2_shared']['microbatches'][i]} |"
@@ -87,6 +110,8 @@ ranks on cuda:0 ({runs['world2_shared']['summary']}).
 
 - bf16 noise (world 1 against itself): max {max(noise):.2e}, median {sorted(noise)[len(noise) // 2]:.2e}
 - world 2 against world 1: max {max(shared):.2e}, median {sorted(shared)[len(shared) // 2]:.2e}
+- other world-2 runs against the world-2 ODC run (max relative per step): {json.dumps({k: f"{max(v):.2e}" for k, v in same_world.items()})}
+{"".join(f"  - {k}: {[round(x, 6) for x in runs[k]['losses']]}" + chr(10) for k in same_world)}
 - peak memory per rank, GiB (torch's allocator): {json.dumps({k: [round(x, 1) for x in v or []] for k, v in peaks.items()})}
 - wall seconds per run: {json.dumps({k: r['seconds'] for k, r in runs.items()})}; attention: {runs['world1']['attention']}
 """
