@@ -207,7 +207,8 @@ def test_help_shows_every_default():
             continue
         option = action.option_strings[-1]
         own_help = r"(?:(?! --).)*?"  # up to the next option
-        assert re.search(rf"{option} \S+ {own_help}\(default: {re.escape(str(action.default))}\)", text), option
+        default = re.escape(f"(default: {action.default})")
+        assert re.search(rf"{option} \S+ {own_help}{default}", text), option
     for shown in ("--gpus-per-node GPUS_PER_NODE GPUs per node (default: 8)", "(default: 1.5B)",
                   "--nodes NODES number of nodes (1: a single node only) (default: 2)"):  # fmt: skip
         assert shown in text, shown
