@@ -92,7 +92,7 @@ def _short_shards(path: str) -> list[str]:
     )  # fmt: skip
 
 
-MODEL_DCP_PREFIX = "pytorch_model_fsdp"  # accelerate's FSDP_MODEL_NAME: its sharded model, pytorch_model_fsdp_0/
+MODEL_DCP_PREFIX = "pytorch_model_fsdp"  # accelerate's FSDP_MODEL_NAME: sharded models, pytorch_model_fsdp_0/
 
 
 def check_model_files(checkpoint: str, earlier: str | None) -> None:
