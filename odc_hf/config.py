@@ -5,15 +5,20 @@ Set it from Python (``ODCConfig(balance="lb_mini", ...)``), or from ``ODC_*`` en
 accelerate YAML cannot carry extra keys (accelerate rejects unknown top-level keys and drops unknown
 ``fsdp_config`` keys), so ODC options never live there. ``ODCConfig(...)`` uses only what you pass;
 ``ODCConfig.from_env(**overrides)`` (what the trainers use when you pass no config) starts from the defaults,
-applies the environment, then your non-None overrides.
+applies the environment, then your non-None overrides; an ``ODC_*`` variable whose name is close to one odc_hf
+reads but is not one (``ODC_BALANSE``) gets a warning naming the one it resembles.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import math
 import os
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 BALANCE_MODES = ("lb_mini", "lb_micro", "none")
 CHECKPOINTING_NAMES = ("auto", "full", "none")
@@ -22,10 +27,23 @@ ATTENTION_CHOICES = ("auto", "flash_attention_4", "sdpa_varlen", "model")
 GRPO_LAYOUTS = ("auto", "packed", "padded")
 PEER_MEMORY_CHOICES = ("auto", "symmetric_memory", "ipc")  # odc_hf.transport.peer_memory (checked equal in a test)
 
+OTHER_ENV_VARIABLES = {
+    "ODC_ACCUMULATE_MAX_CTAS": "the GPU transport's accumulate-kernel grid cap, odc_hf/transport/cuda.py",
+    "ODC_EXPANDABLE_SEGMENTS": "0 keeps torch's default CUDA allocator, odc_hf/integrations/cuda_allocator.py",
+    "ODC_NO_RELAUNCH": "set in the processes odc_hf's launchers start, odc_hf/run.py",
+}
+"""The ``ODC_*`` variables odc_hf reads that are not ODCConfig fields, and where (every ``ODC_<FIELD>`` of ODCConfig
+is read by :meth:`ODCConfig.from_env`). With those, the one list of valid names: :func:`env_variables`."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ODCConfig:
     """Options of On-Demand Communication and its load balancing.
+
+    The integer knobs (``max_tokens_per_microbatch``, ``attention_shape_bucket``, ``global_batch_size``,
+    ``plan_ahead``) take an int, a whole float (``2048.0``, stored as 2048) or a string such as ``"2048"`` or ``"32k"``
+    (k = 1024, as in the ``ODC_*`` variables): :func:`to_count`. Anything else (``True``, NaN, ``"abc"``) is refused
+    with the field's name and an example. ``timeout_s`` and ``device_memory_gib`` take a number or its string.
 
     Attributes:
         enabled: use ODC (one-sided gathers / scatter-accumulates, one synchronisation per minibatch). When
@@ -118,11 +136,14 @@ class ODCConfig:
                 "balance='lb_mini' gives ranks different microbatch counts, which FSDP collectives cannot run: "
                 "use balance='lb_micro' or 'none' with enabled=False"
             )
-        budget = self.max_tokens_per_microbatch
-        if budget is not None and (int(budget) != budget or budget < 1):
-            raise ValueError(f"max_tokens_per_microbatch must be a positive integer, got {budget}")
-        if int(self.attention_shape_bucket) != self.attention_shape_bucket or self.attention_shape_bucket < 0:
-            raise ValueError(f"attention_shape_bucket must be an integer >= 0, got {self.attention_shape_bucket}")
+        # Every integer knob through one parser (Python values and ODC_* strings alike): 32768, "32k", 2048.0.
+        self._set_count("max_tokens_per_microbatch", 1, "a positive integer", "32768 or '32k'", optional=True)
+        self._set_count("attention_shape_bucket", 0, "an integer >= 0", "1024, '1k' or 0")
+        self._set_count("global_batch_size", 1, "a positive integer (samples per optimizer step)", "64",
+                        optional=True)  # fmt: skip
+        self._set_count("plan_ahead", 0, "an integer >= 0 (optimizer steps planned ahead)", "0 or 2")
+        self._set_number("timeout_s")
+        self._set_number("device_memory_gib", optional=True)
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):  # NaN compares False: a wait never ends
             raise ValueError(
                 f"timeout_s must be a finite number of seconds > 0 (ODC_TIMEOUT_S, --odc_timeout_s), got {self.timeout_s}"
@@ -141,15 +162,10 @@ class ODCConfig:
                     f"activation_checkpointing must be one of {CHECKPOINTING_NAMES} or a fraction of the decoder "
                     f"layers between 0 and 1 such as '0.5', got {self.activation_checkpointing!r}"
                 )
-        batch = self.global_batch_size
-        if batch is not None and (isinstance(batch, bool) or int(batch) != batch or batch < 1):
-            raise ValueError(f"global_batch_size must be a positive integer (samples per optimizer step), got {batch}")
         if self.device_memory_gib is not None and not (
             math.isfinite(self.device_memory_gib) and self.device_memory_gib > 0
         ):
             raise ValueError(f"device_memory_gib must be a finite number > 0, got {self.device_memory_gib}")
-        if isinstance(self.plan_ahead, bool) or int(self.plan_ahead) != self.plan_ahead or self.plan_ahead < 0:
-            raise ValueError(f"plan_ahead must be an integer >= 0 (optimizer steps planned ahead), got {self.plan_ahead!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.attention not in ATTENTION_CHOICES:
@@ -163,10 +179,31 @@ class ODCConfig:
                 f"cost_model must be 'flop', 'tokens' or a calibration .json path, got {self.cost_model!r}"
             )
 
+    def _set_count(self, name: str, minimum: int, what: str, example: str, *, optional: bool = False) -> None:
+        value = getattr(self, name)
+        if optional and value is None:
+            return
+        object.__setattr__(self, name, to_count(value, name, minimum=minimum, what=what, example=example))
+
+    def _set_number(self, name: str, *, optional: bool = False) -> None:
+        """A float knob: a number or a string of one (``"600"``, from a YAML or a command line) becomes a float; the
+        range checks below keep their own messages (NaN and infinity included)."""
+        value = getattr(self, name)
+        if optional and value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            kind = type(value).__name__
+            raise ValueError(f"{name} must be a number, e.g. 600 or 1.5; got {value!r} (a {kind})")
+        try:
+            object.__setattr__(self, name, float(value))
+        except ValueError:
+            raise ValueError(f"{name} must be a number, e.g. 600 or 1.5; got the text {value!r}") from None
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> ODCConfig:
         """Defaults, overridden by ``ODC_<FIELD>`` environment variables, overridden by ``overrides``."""
         environ = os.environ if environ is None else environ
+        warn_misspelt_variables(environ)
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             raw = environ.get(f"ODC_{field.name.upper()}")
@@ -174,6 +211,46 @@ class ODCConfig:
                 values[field.name] = _parse(field, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def env_variables() -> tuple[str, ...]:
+    """Every ``ODC_*`` environment variable odc_hf reads: one per ODCConfig field, and :data:`OTHER_ENV_VARIABLES`."""
+    return (*(f"ODC_{f.name.upper()}" for f in dataclasses.fields(ODCConfig)), *OTHER_ENV_VARIABLES)
+
+
+def closest_env_variable(name: str) -> str | None:
+    """The variable odc_hf reads that ``name`` (not one of them) most resembles, or ``None`` when none is close:
+    difflib's ratio on the part after ``ODC_`` (>= 0.6), or a valid name that begins with it (``ODC_MAX_TOKENS``)."""
+    known = {variable.removeprefix("ODC_"): variable for variable in env_variables()}
+    suffix = name.upper().removeprefix("ODC_")
+    close = difflib.get_close_matches(suffix, list(known), n=1, cutoff=0.6)
+    if close:
+        return known[close[0]]
+    starting = [k for k in known if len(suffix) >= 3 and k.startswith(suffix)]
+    return known[starting[0]] if len(starting) == 1 else None
+
+
+_WARNED_VARIABLES: set[str] = set()  # once per process and name
+
+
+def warn_misspelt_variables(environ) -> None:
+    """Warn about each ``ODC_*`` variable of ``environ`` that odc_hf does not read but whose name is close to one it
+    does (``ODC_BALANSE=lb_micro`` would otherwise be ignored without a word), naming that one. Once per process and
+    name, on the first rank of a node (``LOCAL_RANK`` unset or 0; each node's environment may differ). A name close to
+    none of them is left alone: other tools use the ``ODC_`` prefix too."""
+    if str(environ.get("LOCAL_RANK", "0")) not in ("0", ""):
+        return
+    valid = set(env_variables())
+    for name in sorted(environ):
+        if not name.upper().startswith("ODC_") or name in valid or name in _WARNED_VARIABLES:
+            continue
+        closest = closest_env_variable(name)
+        if closest is not None:
+            _WARNED_VARIABLES.add(name)
+            logger.warning(
+                "odc_hf: the environment variable %s is not one odc_hf reads, so it has no effect: did you mean %s? "
+                "(the ODC_* variables: docs/configuration.md)", name, closest,
+            )  # fmt: skip
 
 
 def check_shm_dir(path: str) -> None:
@@ -198,6 +275,39 @@ def parse_count(text: str) -> int:
     if not digits.isdigit():
         raise ValueError(f"expected an integer such as 32768 or 32k, got {text!r}")
     return int(digits) * scale
+
+
+def to_count(value: Any, name: str, *, minimum: int, what: str, example: str) -> int:
+    """``value`` as the integer it means, for the ODCConfig field ``name``, or a ``ValueError`` naming the field and
+    giving an example. The one parser of ODC's integer knobs, whether the value comes from Python or from an
+    ``ODC_*`` variable:
+
+    - an int is itself; ``True`` / ``False`` are refused (a bool is an int in Python, and ``True`` would read as 1);
+    - a float is accepted when it is a whole number (``2048.0``, as YAML or arithmetic give it) and stored as the int;
+      ``2048.5``, NaN and infinity are refused;
+    - a string goes through :func:`parse_count`: ``"2048"``, ``"32k"`` and ``"1m"`` are accepted, as they are in the
+      environment (``ODC_MAX_TOKENS_PER_MICROBATCH=32k``), so a value read from a config file or a command line as
+      text means what it says.
+
+    The result must be at least ``minimum``; ``what`` (the range) and ``example`` (valid values) go into the message.
+    """
+    number = isinstance(value, (int, float, str)) or hasattr(value, "__index__")  # __index__: numpy ints
+    if isinstance(value, bool) or not number:
+        raise ValueError(f"{name} must be {what}, e.g. {example}; got {value!r} (a {type(value).__name__})")
+    if isinstance(value, str):
+        try:
+            count = parse_count(value)
+        except ValueError:
+            raise ValueError(f"{name} must be {what}, e.g. {example}; got the text {value!r}") from None
+    elif isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise ValueError(f"{name} must be {what}, e.g. {example}; got {value!r}")
+        count = int(value)
+    else:
+        count = int(value.__index__())
+    if count < minimum:
+        raise ValueError(f"{name} must be {what}, got {count} (e.g. {example})")
+    return count
 
 
 def _parse(field: dataclasses.Field, raw: str) -> Any:

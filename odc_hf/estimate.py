@@ -294,11 +294,21 @@ def format_report(result: dict, header: list[str], *, step_samples: dict | None 
 # ---- command line ------------------------------------------------------------------------------------------
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and ``(default: ...)`` after the help of every option that has a default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m odc_hf.estimate",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     data = p.add_argument_group("data (one of)")
     data.add_argument(
@@ -308,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dataset", help="local .jsonl/.json/.parquet/.csv file, a saved dataset folder, or a hub name"
     )
     data.add_argument("--dataset-config", help="the hub dataset's configuration name")
-    data.add_argument("--split", default="train")
+    data.add_argument("--split", default="train", help="the dataset's split")
     data.add_argument(
         "--column",
         help="text column, or 'messages' (chat); default: input_ids, messages, text, prompt+completion",
@@ -326,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-model", default="h200",
                    help="'h200' (measured on an H200, scaled to your model by FLOPs), 'flop', or your calibration .json "
                         "(the formats ODCConfig.cost_model accepts)")  # fmt: skip
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
     p.add_argument("--nodes", type=int, default=2, help="number of nodes (1: a single node only)")
     p.add_argument(
         "--network-gb-per-s",
@@ -334,7 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=50.0,
         help="inter-node bandwidth per GPU, GB/s (400 Gb/s = 50)",
     )
-    p.add_argument("--per-device-train-batch-size", type=int, default=1)
+    p.add_argument("--per-device-train-batch-size", type=int, default=1,
+                   help="samples per GPU per microbatch (TRL's per_device_train_batch_size)")  # fmt: skip
     p.add_argument("--gradient-accumulation-steps", type=int, default=4,
                    help="samples per GPU per step = per-device batch x gradient accumulation")  # fmt: skip
     p.add_argument("--max-length", type=int, help="truncate samples to this many tokens (TRL's max_length)")

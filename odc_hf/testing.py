@@ -239,19 +239,11 @@ def accelerate_cpu(*args, env: dict | None = None, cwd=None, timeout: float = 60
 
 
 def local_model_and_data(directory, rows: list[dict], tokenizer=None, **config_kwargs) -> tuple[Path, Path]:
-    """Offline stand-ins for a hub model and a hub data set, for recipe tests: the tiny Qwen2 model sized to
-    ``tokenizer`` (default: the embedded ``odc_hf.data.default_tokenizer()``; a pretrained one:
-    ``odc_hf.pretrained_tokenizer.qwen2_5_tokenizer()``) and the tokenizer saved in ``directory/model``, ``rows`` as
-    ``directory/data/train.jsonl``. Returns both folders. ``config_kwargs`` go to the model's config (e.g.
-    ``tie_word_embeddings=False``)."""
-    import json
+    """Offline stand-ins for a hub model and a hub data set, for recipe tests: :func:`odc_hf.offline.write_model_and_data`
+    (``python -m odc_hf.offline``) with the rows given: the tiny Qwen2 model sized to ``tokenizer`` (default: the
+    embedded ``odc_hf.data.default_tokenizer()``; a pretrained one: ``odc_hf.pretrained_tokenizer.qwen2_5_tokenizer()``)
+    and the tokenizer saved in ``directory/model``, ``rows`` as ``directory/data/train.jsonl``. Returns both folders.
+    ``config_kwargs`` go to the model's config (e.g. ``tie_word_embeddings=False``)."""
+    from odc_hf.offline import write_model_and_data
 
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
-
-    model_dir, data_dir = Path(directory) / "model", Path(directory) / "data"
-    tokenizer = tokenizer if tokenizer is not None else default_tokenizer()
-    tiny_qwen2_model(tokenizer, **config_kwargs).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return model_dir, data_dir
+    return write_model_and_data(directory, rows, tokenizer=tokenizer, **config_kwargs)

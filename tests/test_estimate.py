@@ -191,3 +191,24 @@ def test_bad_model_and_empty_data_are_named_before_any_tokenizing(tmp_path):
         run(["--dataset", str(empty), "--tokenizer", "default", "--model", "3b"])
     with pytest.raises(EstimateError, match=r"the file is empty \(no rows\)"):
         run(["--dataset", str(empty), "--tokenizer", "default"])
+
+
+def test_help_shows_every_default():
+    """--help names each default (GPUs per node, nodes, samples per GPU, model, ...): a reader must not have to run
+    the estimate to learn what it assumed."""
+    import argparse
+
+    from odc_hf.estimate import build_parser
+
+    parser = build_parser()
+    text = " ".join(parser.format_help().split())  # argparse wraps lines
+    for action in parser._actions:  # argparse has no public list of a parser's options
+        if action.default in (None, argparse.SUPPRESS):
+            continue
+        option = action.option_strings[-1]
+        own_help = r"(?:(?! --).)*?"  # up to the next option
+        default = re.escape(f"(default: {action.default})")
+        assert re.search(rf"{option} \S+ {own_help}{default}", text), option
+    for shown in ("--gpus-per-node GPUS_PER_NODE GPUs per node (default: 8)", "(default: 1.5B)",
+                  "--nodes NODES number of nodes (1: a single node only) (default: 2)"):  # fmt: skip
+        assert shown in text, shown

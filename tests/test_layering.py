@@ -28,7 +28,7 @@ LAYERS = {
     "odc_hf.fsdp": 2,
     "odc_hf.attention": 3, "odc_hf.calibrate": 3, "odc_hf.data": 3, "odc_hf.hf_rebalance": 3,
     "odc_hf.integrations": 4,
-    "odc_hf.run": 5,
+    "odc_hf.run": 5, "odc_hf.offline": 5,
     "odc_hf.testing": 6,
     "odc_hf": 7,  # the package's __init__ (its exports are lazy)
 }  # fmt: skip

@@ -14,6 +14,7 @@ optimizer (the Trainer's own loader skips a missing ``optimizer.pt`` without a w
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -34,16 +35,19 @@ DCP_METADATA = ".metadata"  # written last by dcp.save's coordinator, once every
 SCHEDULER_NAME = "scheduler.pt"
 
 
+RESUME_ADVICE = (
+    "Resuming without it would silently change the run; resume from a complete checkpoint (resume_from_checkpoint=True "
+    "takes the last complete one in the output directory)"
+)
+
+
 class CheckpointPartMissing(FileNotFoundError):
     """A checkpoint lacks (or cannot read) a part the resumed run needs."""
 
-    def __init__(self, checkpoint: str, part: str, what: str, detail: str = ""):
+    def __init__(self, checkpoint: str, part: str, what: str, detail: str = "", advice: str = RESUME_ADVICE):
         self.checkpoint, self.part = checkpoint, part
-        super().__init__(
-            f"checkpoint {checkpoint} cannot be resumed: {part} ({what}) {detail or 'is missing'}. Resuming without "
-            "it would silently change the run; resume from a complete checkpoint (resume_from_checkpoint=True takes "
-            "the last complete one in the output directory)"
-        )
+        detail = detail or "is missing"
+        super().__init__(f"checkpoint {checkpoint} cannot be resumed: {part} ({what}) {detail}. {advice}")
 
 
 def _optimizer(trainer):
@@ -86,6 +90,79 @@ def _short_shards(path: str) -> list[str]:
         name for name, size in needed.items()
         if not os.path.isfile(os.path.join(path, name)) or os.path.getsize(os.path.join(path, name)) < size
     )  # fmt: skip
+
+
+MODEL_DCP_PREFIX = "pytorch_model_fsdp"  # accelerate's FSDP_MODEL_NAME: sharded models, pytorch_model_fsdp_0/
+
+
+def check_model_files(checkpoint: str, earlier: str | None) -> None:
+    """Raise :class:`CheckpointPartMissing` naming the first damaged model file of ``checkpoint``: a ``.safetensors``
+    file (the model, a shard, a PEFT adapter) whose header is unreadable or whose size is not the data end its header
+    records, a shard ``model.safetensors.index.json`` lists that is not there, or accelerate's sharded model folder
+    (``pytorch_model_fsdp_0/``) without its metadata or with a short shard. Reads headers and sizes only, never a
+    tensor, so every rank raises alike before anything is loaded. ``earlier``: the last complete checkpoint before
+    this one (the message offers it), or ``None``."""
+    what = "the model weights"
+    if earlier is not None:
+        advice = (f"The checkpoint was damaged after its save (a copy or a disk that did not finish), and loading it "
+                  f"would fail: resume from the earlier checkpoint {earlier} (resume_from_checkpoint={earlier!r}; True "
+                  "would take this one again), or copy the file again from where the checkpoint came from")  # fmt: skip
+    else:
+        advice = ("The checkpoint was damaged after its save (a copy or a disk that did not finish), and loading it "
+                  "would fail; no earlier complete checkpoint is beside it: copy the file again from where the "
+                  "checkpoint came from, or start the run again")  # fmt: skip
+    names = sorted(os.listdir(checkpoint))
+    for name in names:
+        if name.endswith(".index.json") and ".safetensors" in name:
+            try:
+                with open(os.path.join(checkpoint, name)) as f:
+                    shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+            except (OSError, ValueError, AttributeError):
+                raise CheckpointPartMissing(checkpoint, name, "the index of the model's shards", "cannot be read",
+                                            advice) from None  # fmt: skip
+            for shard in shards:
+                if not os.path.isfile(os.path.join(checkpoint, shard)):
+                    raise CheckpointPartMissing(checkpoint, shard, f"a shard of {what}, listed in {name}",
+                                                "is missing", advice)  # fmt: skip
+    for name in names:
+        path = os.path.join(checkpoint, name)
+        if name.endswith(".safetensors") and os.path.isfile(path):
+            damage = safetensors_damage(path)
+            if damage:
+                raise CheckpointPartMissing(checkpoint, name, what, damage, advice)
+        elif name.startswith(MODEL_DCP_PREFIX) and os.path.isdir(path):
+            if not os.path.isfile(os.path.join(path, DCP_METADATA)):
+                raise CheckpointPartMissing(checkpoint, f"{name}/{DCP_METADATA}", f"{what}, sharded", "is missing",
+                                            advice)  # fmt: skip
+            short = _short_shards(path)
+            if short:
+                raise CheckpointPartMissing(checkpoint, f"{name}/{short[0]}", f"a rank's shard of {what}",
+                                            "is missing or cut short", advice)  # fmt: skip
+
+
+def safetensors_damage(path: str) -> str | None:
+    """Why the safetensors file at ``path`` cannot be complete, or ``None``. The format: 8 bytes (little-endian) giving
+    the header's length, the JSON header (each tensor's ``data_offsets`` into the data that follows), then the data;
+    a complete file ends where the last tensor's data ends. Reads the header only."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return f"is cut short ({size} bytes: not even a safetensors header)"
+        header_length = int.from_bytes(prefix, "little")
+        if header_length > size - 8:
+            return f"is cut short ({size} bytes; its header alone should take {header_length + 8})"
+        try:
+            header = json.loads(f.read(header_length))
+            ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]
+            end = max(ends, default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "has an unreadable safetensors header"
+    expected = 8 + header_length + end
+    if size != expected:
+        cut = "is cut short" if size < expected else "is longer than its header says"
+        return f"{cut} ({size:,} bytes; its header records {expected:,})"
+    return None
 
 
 def load_optimizer_and_scheduler(trainer, checkpoint: str) -> None:

@@ -151,6 +151,8 @@ class _GRPOPart:
     # -- data: one dataloader batch (this rank's part of a generation batch) per optimizer step --------------
     def get_train_dataloader(self):
         prepare_attention(self, None)  # FlashAttention-4's kernels compiled before step 1 (no-op elsewhere)
+        if hasattr(self.train_dataset, "__len__"):
+            self.odc_note_dataset(len(self.train_dataset))  # prompts: their count (no token counts read here)
         return super(ODCMixin, self).get_train_dataloader()  # TRL's loader, with the sampler below
 
     def _get_train_sampler(self, dataset=None):

@@ -18,28 +18,48 @@ import os
 from pathlib import Path
 
 
-def _valid_names() -> str:
+def _field_names() -> list[str]:
     import dataclasses
 
     from odc_hf.config import ODCConfig
 
-    names = [f.name for f in dataclasses.fields(ODCConfig)]
-    return ", ".join(f"odc_{n}" for n in names)
+    return [f.name for f in dataclasses.fields(ODCConfig)]
+
+
+def _closest_option(key: str) -> str | None:
+    """The ODC option ``key`` (``odc_balanse``) names or most resembles (``balance``); ``None`` when none is close."""
+    import difflib
+
+    name = key.removeprefix("odc_")
+    names = _field_names()
+    if name in names:
+        return name
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def check_fsdp_config(fsdp_config, where: str) -> None:
-    """Raise on an ``odc_*`` key (also ``fsdp_odc_*``) of an FSDP config dict, naming it and where ODC options go."""
+    """Raise on an ``odc_*`` key (also ``fsdp_odc_*``) of an FSDP config dict, naming it and where ODC options go: the
+    option it names, or (a misspelt one) the closest valid option, written each way it can be set."""
     if not isinstance(fsdp_config, dict):
         return
     keys = sorted(k for k in fsdp_config if str(k).removeprefix("fsdp_").startswith("odc_"))
     if not keys:
         return
     key = keys[0].removeprefix("fsdp_")
+    option = _closest_option(key)
+    if option is None:
+        flag, variable, unknown = "--odc_<option>", "ODC_<OPTION>", f" ({key!r} is not an ODC option)"
+    else:
+        flag, variable, unknown = f"e.g. --odc_{option}", f"ODC_{option.upper()}", ""
+        if option != key.removeprefix("odc_"):
+            unknown = f" ({key!r} is not an ODC option; the closest is 'odc_{option}')"
+    valid = ", ".join(f"odc_{n}" for n in _field_names())
     raise ValueError(
         f"{where} has {', '.join(repr(k) for k in keys)}, which accelerate ignores: ODC's options do not go in an "
-        f"FSDP config. Set them as training arguments ({_valid_names()}: e.g. --{key} with ODCSFTConfig / "
-        f"ODCTrainingArguments), as environment variables (ODC_{key.removeprefix('odc_').upper()}=...), or in "
-        "ODCConfig(...) (docs/configuration.md)"
+        f"FSDP config{unknown}. Set them as training arguments ({valid}: {flag} with ODCSFTConfig / "
+        f"ODCTrainingArguments), as environment variables ({variable}=...), or in ODCConfig(...) "
+        "(docs/configuration.md)"
     )
 
 

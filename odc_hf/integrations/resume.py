@@ -8,17 +8,23 @@ looks like a checkpoint. transformers 5.17 and 5.24 write straight into ``checkp
 transformers issues 27925, 28364 and 28848, and 5.x no longer stages.) So the ODC trainers keep transformers' layout
 and add a completion marker, :data:`MARKER`, written atomically (temp
 file, then rename) by the main process after every rank has finished every part; it also records the run's layout
-(world size, mesh, samples per optimizer step). A save first removes an older marker from its folder, and rotation
+(world size, mesh, samples per optimizer step) and its training data (size, and a fingerprint of the samples' token
+counts). A save first removes an older marker from its folder, and rotation
 (``save_total_limit``) runs only after the new marker is down, so the previous checkpoint stays until a newer one is
 complete. Resuming takes the last marked checkpoint (``True``) or refuses an unmarked one (a path).
 
 ``ODCMixin.train(resume_from_checkpoint=...)`` calls :func:`resolve` on every rank before the Trainer loads
 anything: the checks read files only, so every rank raises the same error before any collective (a missing part
-found later, inside the Trainer's loading, would leave the other ranks waiting in a collective).
+found later, inside the Trainer's loading, would leave the other ranks waiting in a collective). They cover the model
+files too (safetensors headers against their files' sizes: a copy cut short after the save is named, with the earlier
+checkpoint to resume from). Resuming with another training dataset than the checkpoint's is a warning
+(:func:`check_dataset`), given when the data loader is built.
 """
 
 from __future__ import annotations
 
+import array
+import hashlib
 import json
 import logging
 import os
@@ -28,7 +34,12 @@ from accelerate.utils import DistributedType
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from odc_hf.integrations.checkpoint import OPTIMIZER_DIR, CheckpointPartMissing, check_sharded_parts
+from odc_hf.integrations.checkpoint import (
+    OPTIMIZER_DIR,
+    CheckpointPartMissing,
+    check_model_files,
+    check_sharded_parts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +76,21 @@ def unmark(checkpoint: str) -> None:
         pass
 
 
+def dataset_record(num_samples: int, lengths: list[int] | None = None) -> dict:
+    """What the marker records of the training data: its size and, given the samples' token counts in dataset order,
+    a fingerprint of them (sha256 of the counts: the same data, tokenized the same way and in the same order, gives the
+    same value). The counts are what the sampler reads anyway, so this costs nothing extra."""
+    record: dict = {"num_samples": num_samples}
+    if lengths is not None:
+        record["lengths_sha256"] = hashlib.sha256(array.array("q", lengths).tobytes()).hexdigest()[:16]
+    return record
+
+
 def mark_complete(trainer, checkpoint: str) -> None:
     """After every rank finished every part of ``checkpoint`` (main process only): write the marker atomically."""
     record = {"global_step": trainer.state.global_step, **layout(trainer)}
+    if getattr(trainer, "odc_dataset", None) is not None:
+        record["dataset"] = trainer.odc_dataset
     temporary = os.path.join(checkpoint, f".{MARKER}.tmp")
     with open(temporary, "w") as f:
         json.dump(record, f, indent=1)
@@ -135,9 +158,21 @@ def check_parts(trainer, checkpoint: str) -> None:
     if not os.path.isfile(os.path.join(checkpoint, TRAINER_STATE_NAME)):
         # the Trainer would restart at step 0 with the checkpoint's weights, from the first sample
         raise CheckpointPartMissing(checkpoint, TRAINER_STATE_NAME, "the step, epoch and log to continue from")
+    check_model_files(checkpoint, earlier=_earlier_complete(checkpoint))
     if reads_sharded_optimizer(trainer, checkpoint):
         check_sharded_parts(checkpoint, scheduler=True)  # the Trainer always builds a scheduler
     check_layout(trainer, checkpoint, read_marker(checkpoint))
+
+
+def _earlier_complete(checkpoint: str) -> str | None:
+    """The last complete checkpoint beside ``checkpoint`` with a lower step, or ``None``."""
+    match = _CHECKPOINT.match(os.path.basename(os.path.normpath(checkpoint)))
+    if match is None:
+        return None
+    earlier = [c for c in checkpoints(os.path.dirname(os.path.abspath(checkpoint)))
+               if int(_CHECKPOINT.match(os.path.basename(c)).group(1)) < int(match.group(1))
+               and read_marker(c) is not None]  # fmt: skip
+    return earlier[-1] if earlier else None
 
 
 def check_layout(trainer, checkpoint: str, saved: dict) -> None:
@@ -167,8 +202,38 @@ def check_layout(trainer, checkpoint: str, saved: dict) -> None:
             f"another batch, start a new run from the checkpoint's weights (model_name_or_path={checkpoint})"
         )
     if (world, saved.get("mesh")) != (saved_world, layout(trainer)["mesh"]) and trainer.accelerator.is_main_process:
-        logger.info(
+        logger.warning(  # a notice: shown at transformers' default verbosity
             "odc_hf: resuming %s, written by %d ranks (mesh %s), on %d ranks (mesh %s): the global batch stays %d "
             "samples per optimizer step, the optimizer state is resharded and every step is planned for %d ranks",
             checkpoint, saved_world, saved.get("mesh"), world, layout(trainer)["mesh"], batch, world,
         )  # fmt: skip
+
+
+def check_dataset(trainer, checkpoint: str, dataset: dict) -> None:
+    """Resuming with another training dataset than the checkpoint's (``dataset``: :func:`dataset_record` of this run's):
+    a warning on the main process giving both sizes and fingerprints. Not an error: as with TRL's own trainers, a run
+    may go on with changed data on purpose (rows fixed, filtered or added); but the Trainer skips the steps already
+    trained as if the data were the same, so the resumed steps are not the ones the checkpoint's run would have
+    trained, and a smaller dataset has fewer steps per epoch."""
+    saved = (read_marker(checkpoint) or {}).get("dataset")
+    if not saved or not trainer.accelerator.is_main_process:
+        return  # a checkpoint of an older odc_hf, or {} written by hand: nothing to compare with
+    same_size = saved.get("num_samples") == dataset["num_samples"]
+    fingerprints = saved.get("lengths_sha256"), dataset.get("lengths_sha256")
+    if same_size and (None in fingerprints or fingerprints[0] == fingerprints[1]):
+        return
+
+    def describe(record):
+        fingerprint = record.get("lengths_sha256")
+        counts = f" (token-count fingerprint {fingerprint})" if fingerprint else ""
+        return f"{record.get('num_samples')} samples{counts}"
+
+    logger.warning(
+        "odc_hf: resuming %s with another training dataset than the one it was trained on: the checkpoint's had %s, "
+        "this run's has %s. The Trainer skips the %s steps already trained as if the data were the same, so the "
+        "resumed steps train other samples than the checkpoint's run would have (and with fewer samples an epoch has "
+        "fewer steps). To continue that run, resume with its dataset; to train on this data from the checkpoint's "
+        "weights, start a new run from them (model_name_or_path=%s) instead of resuming",
+        checkpoint, describe(saved), describe(dataset), (read_marker(checkpoint) or {}).get("global_step", "?"),
+        checkpoint,
+    )  # fmt: skip

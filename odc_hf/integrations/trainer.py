@@ -114,6 +114,8 @@ class ODCMixin:
         self.odc_attention_warm_up: dict | None = None  # {"kind", "shapes", "seconds", "dtype"} once a warm-up ran
         self.odc_attention: dict | None = None  # {"choice", "implementation", "reason"}: ODCConfig.attention resolved
         self.odc_compute: compute_path.ComputePath | None = None
+        self.odc_dataset: dict | None = None  # the training data's size and fingerprint, for checkpoints
+        self._odc_resume_checkpoint: str | None = None  # the checkpoint train() resumes from
         # before the base trainer reads the first row (TRL's SFTTrainer: a bare StopIteration on an empty dataset)
         check_not_empty(self._odc_argument("train_dataset", args, kwargs))
         super().__init__(*args, **kwargs)
@@ -164,11 +166,6 @@ class ODCMixin:
                 "ODC_GLOBAL_BATCH_SIZE) unset"
             )
         self.odc_minibatch_per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        if args.gradient_accumulation_steps != 1:
-            logger.info(
-                "odc_hf: gradient_accumulation_steps=%d becomes part of the minibatch (%d samples per rank per step); "
-                "the Trainer itself runs with 1", args.gradient_accumulation_steps, self.odc_minibatch_per_rank,
-            )  # fmt: skip
         self.odc_folded_accumulation = args.gradient_accumulation_steps
         args.gradient_accumulation_steps = 1
         # Gradients are SUMS over ranks under ODC; the loss is already divided by the global token count.
@@ -193,12 +190,19 @@ class ODCMixin:
         from_arguments = self.odc_minibatch_per_rank * self.accelerator.num_processes
         self.odc_global_batch_size = self.odc_config.global_batch_size or from_arguments
         """Samples per optimizer step, all ranks together (the global minibatch)."""
+        # Notices of settings odc_hf changed: warnings, so that transformers' default verbosity shows them (rank 0)
         if self.odc_global_batch_size != from_arguments and self.accelerator.is_main_process:
-            logger.info(
+            logger.warning(
                 "odc_hf: global_batch_size=%d samples per optimizer step (per_device_train_batch_size %d x "
                 "gradient_accumulation_steps %d x %d processes = %d is not used)", self.odc_global_batch_size,
                 args.per_device_train_batch_size, self.odc_folded_accumulation, self.accelerator.num_processes,
                 from_arguments,
+            )  # fmt: skip
+        elif self.odc_folded_accumulation != 1 and self.accelerator.is_main_process:
+            logger.warning(
+                "odc_hf: gradient_accumulation_steps=%d becomes part of the minibatch (%d samples per rank per step, "
+                "on average); the Trainer itself runs with gradient_accumulation_steps set to 1",
+                self.odc_folded_accumulation, self.odc_minibatch_per_rank,
             )  # fmt: skip
 
     def _build_accelerator_args(self, **kwargs):
@@ -244,6 +248,7 @@ class ODCMixin:
     def get_train_dataloader(self) -> DataLoader:
         dataset = self.train_dataset
         lengths = train_lengths(dataset)  # raises, saying what to change, on an empty or unusable dataset
+        self.odc_note_dataset(len(lengths), lengths)
         # The data-parallel world is every process, HSDP's replicas included: each rank plans its own share.
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         check_minibatch_fits(len(lengths), per_device=self.args.per_device_train_batch_size, world=world,
@@ -271,6 +276,15 @@ class ODCMixin:
         return BundleLoader(BundleDataset(dataset), batch_sampler=sampler, collate_fn=collator,
                             num_workers=self.args.dataloader_num_workers)  # fmt: skip
 
+    def odc_note_dataset(self, num_samples: int, lengths: list[int] | None = None) -> None:
+        """Record the training data's size (and its samples' token counts' fingerprint) for the checkpoints; resuming,
+        warn when it is not the checkpoint's (:func:`odc_hf.integrations.resume.check_dataset`)."""
+        from odc_hf.integrations import resume
+
+        self.odc_dataset = resume.dataset_record(num_samples, lengths)
+        if self._odc_resume_checkpoint is not None:
+            resume.check_dataset(self, self._odc_resume_checkpoint, self.odc_dataset)
+
     def _odc_check_attention(self, budget: int) -> None:
         """The attention's warm-up on a GPU (cuDNN plans of sdpa_varlen, FA4's kernel compilation) before step 1
         (:func:`odc_hf.integrations.attention_setup.prepare_attention`)."""
@@ -289,6 +303,8 @@ class ODCMixin:
 
         if resume_from_checkpoint:  # True: the last COMPLETE checkpoint of the output directory
             resume_from_checkpoint = resume.resolve(self, resume_from_checkpoint)
+        resuming = isinstance(resume_from_checkpoint, str)
+        self._odc_resume_checkpoint = resume_from_checkpoint if resuming else None
         with failure_guard(lambda: self.odc):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 

@@ -61,11 +61,58 @@ class _SFTMetrics:
         metrics["num_tokens"] = [self._total_train_tokens]
 
 
+def check_sft_columns(dataset, args, formatting_func, name: str = "train_dataset") -> None:
+    """Raise when TRL's SFTTrainer would find no text to read in ``dataset`` (a ``datasets.Dataset``): none of
+    ``dataset_text_field`` (``"text"`` by default), ``messages`` / ``conversations`` (conversational), ``prompt`` with
+    ``completion``, or an already tokenized ``input_ids``, and no ``formatting_func``. TRL would fail in its dataset
+    preparation, which the main process runs first while the other ranks wait: rank 0 with ``KeyError: 'text'``, the
+    others with a lost connection that names no cause. Every rank runs this on the same dataset before that, so every
+    rank raises this message. Skipped where TRL skips the preparation (``skip_prepare_dataset``, image data)."""
+    columns = getattr(dataset, "column_names", None)
+    if not isinstance(columns, list) or formatting_func is not None:
+        return  # an IterableDataset without known columns, a DatasetDict, ...: TRL's own checks
+    skip = (getattr(args, "dataset_kwargs", None) or {}).get("skip_prepare_dataset")
+    if skip or {"image", "images"} & set(columns) or "input_ids" in columns:
+        return
+    if "prompt" in columns and "completion" not in columns:
+        raise ValueError(
+            f"{name} has a 'prompt' column but no 'completion' column (its columns are {columns}): TRL's SFTTrainer "
+            "reads 'prompt' as the first part of prompt-completion data. Add a 'completion' column, or rename "
+            "'prompt' and set dataset_text_field to it"
+        )
+    text_field = getattr(args, "dataset_text_field", None) or "text"  # None: TRL builds a default SFTConfig
+    if {text_field, "messages", "conversations", "prompt"} & set(columns):
+        return
+    features = getattr(dataset, "features", None) or {}
+    texts = [c for c in columns if getattr(features.get(c), "dtype", None) in ("string", "large_string")]
+    setting = "dataset_text_field to the text's column"
+    if len(texts) == 1:
+        setting = f"dataset_text_field={texts[0]!r}"
+    raise ValueError(
+        f"{name} has no column TRL's SFTTrainer can train on: its columns are {columns}. SFTTrainer reads the text "
+        f"from the column dataset_text_field names ({text_field!r}), from 'messages' (conversations), from 'prompt' "
+        f"and 'completion', or tokens from 'input_ids'. Set {setting} (SFTConfig / ODCSFTConfig, or "
+        "--dataset_text_field on a recipe's command line), rename the column, or pass a formatting_func"
+    )
+
+
 def make_odc_sft_trainer(sft_cls):
     base = make_odc_trainer(sft_cls)
 
     class ODCSFT(_SFTMetrics, base):
         def __init__(self, *args, **kwargs):
+            # Before TRL prepares the data (main process first, the other ranks waiting): the same error on every rank
+            arguments = {k: v for k, v in kwargs.items() if k != "odc_config"}
+            training_args = self._odc_argument("args", args, arguments)
+            evaluation = self._odc_argument("eval_dataset", args, arguments)
+            datasets = {"train_dataset": self._odc_argument("train_dataset", args, arguments)}
+            if isinstance(evaluation, dict):
+                datasets.update({f"eval_dataset[{key!r}]": value for key, value in evaluation.items()})
+            elif evaluation is not None:
+                datasets["eval_dataset"] = evaluation
+            formatting_func = self._odc_argument("formatting_func", args, arguments)
+            for name, dataset in datasets.items():
+                check_sft_columns(dataset, training_args, formatting_func, name)
             super().__init__(*args, **kwargs)
             check_trl(self, "ODCSFTTrainer", attributes=("_metrics", "_total_train_tokens"))
             if getattr(self.args, "packing", False):
@@ -158,4 +205,12 @@ def unpatch_trl() -> None:
 
 
 # and ODCSFTTrainer, built on first access
-__all__ = ["TESTED_TRL", "TRLPatch", "check_trl", "make_odc_sft_trainer", "patch_trl", "unpatch_trl"]
+__all__ = [
+    "TESTED_TRL",
+    "TRLPatch",
+    "check_sft_columns",
+    "check_trl",
+    "make_odc_sft_trainer",
+    "patch_trl",
+    "unpatch_trl",
+]

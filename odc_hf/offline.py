@@ -1,0 +1,57 @@
+"""A local model and data set for trying a recipe without the hub: ``python -m odc_hf.offline DIR``.
+
+Writes ``DIR/model``: a tiny Qwen2 causal LM (random weights, 2 layers) with odc_hf's offline byte-level BPE tokenizer
+(ChatML template), loadable with ``AutoModelForCausalLM.from_pretrained`` / ``--model_name_or_path``; and
+``DIR/data/train.jsonl``: conversations of real text (``{"messages": [user, assistant]}``, from the Python standard
+library's docstrings), loadable with ``datasets.load_dataset`` / ``--dataset_name``. Nothing is downloaded: run it on a
+machine without network, then e.g. ``trl.scripts.sft`` through ``python -m odc_hf.run`` (docs/trl_recipes.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def write_model_and_data(directory, rows: list[dict] | None = None, *, tokenizer=None, num_rows: int = 64,
+                         **config_kwargs) -> tuple[Path, Path]:  # fmt: skip
+    """Write ``directory/model`` (the tiny Qwen2 model sized to ``tokenizer`` and the tokenizer; default: the embedded
+    ``odc_hf.data.default_tokenizer()``) and ``directory/data/train.jsonl`` (``rows``, one JSON object a line; default:
+    ``num_rows`` conversations of ``odc_hf.data.default_conversations``). Returns both folders. ``config_kwargs`` go
+    to the model's config (e.g. ``tie_word_embeddings=False``)."""
+    from odc_hf.data import default_conversations, default_tokenizer, tiny_qwen2_model
+
+    model_dir, data_dir = Path(directory) / "model", Path(directory) / "data"
+    tokenizer = tokenizer if tokenizer is not None else default_tokenizer()
+    rows = rows if rows is not None else default_conversations(num_rows, max_chars=600)
+    tiny_qwen2_model(tokenizer, **config_kwargs).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return model_dir, data_dir
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m odc_hf.offline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("directory", type=Path, help="where to write model/ and data/ (created if missing)")
+    parser.add_argument(
+        "--num-rows", type=int, default=64, help="conversations in data/train.jsonl (default: 64)"
+    )
+    args = parser.parse_args(argv)
+    if args.num_rows < 1:
+        parser.error(f"--num-rows must be at least 1, got {args.num_rows}")
+    model_dir, data_dir = write_model_and_data(args.directory, num_rows=args.num_rows)
+    print(
+        f"wrote a tiny Qwen2 model and its tokenizer to {model_dir}, {args.num_rows} conversations to {data_dir}"
+    )
+    print(f"MODEL_DIR={model_dir}")
+    print(f"DATA_DIR={data_dir}")
+
+
+if __name__ == "__main__":
+    main()

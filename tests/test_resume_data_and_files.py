@@ -1,0 +1,162 @@
+"""What a resume checks beyond the checkpoint's parts (one process, in this process: ODCSFTTrainer on a tiny model):
+
+- the model files: a ``model.safetensors`` cut short (a copy that did not finish) is named before anything loads,
+  with the earlier checkpoint to resume from, instead of safetensors' "incomplete metadata" error without a file name;
+- the training data: resuming with another dataset than the checkpoint saw (8 samples where it had 16) warns, giving
+  both sizes and fingerprints (the checkpoint marker records them);
+- the notices odc_hf gives about settings it changed (gradient accumulation folded into the minibatch, a checkpoint
+  resumed on another number of ranks) are warnings, shown at transformers' default verbosity.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+SAMPLES, PER_DEVICE, ACCUMULATION = 16, 4, 2  # 8 samples per step: 2 steps per epoch
+
+
+class _Warnings(logging.Handler):
+    """odc_hf's warnings as a user sees them: records that pass odc_hf's loggers at their default level."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _trainer(out, num_samples: int):
+    from odc_hf import ODCConfig, ODCSFTConfig, ODCSFTTrainer
+    from odc_hf.data import default_text_dataset, default_tokenizer, tiny_qwen2_model
+
+    tokenizer = default_tokenizer()
+    args = ODCSFTConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=PER_DEVICE,
+                        gradient_accumulation_steps=ACCUMULATION, save_strategy="steps", save_steps=1, max_length=64,
+                        packing=False, bf16=False, use_cpu=True, logging_steps=1, report_to="none",
+                        disable_tqdm=True)  # fmt: skip
+    data = default_text_dataset(num_samples, max_chars=300)
+    return ODCSFTTrainer(model=tiny_qwen2_model(tokenizer), args=args, train_dataset=data, processing_class=tokenizer,
+                         odc_config=ODCConfig(log_timeline=False))  # fmt: skip
+
+
+def _warnings_of(fn):
+    handler = _Warnings()
+    logging.getLogger("odc_hf").addHandler(handler)
+    try:
+        return fn(), handler.lines
+    finally:
+        logging.getLogger("odc_hf").removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """2 steps of 16 samples with a checkpoint after each; the warnings building the trainer gave."""
+    before = dict(os.environ)  # the Accelerator sets variables; conftest restores them only around each test
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    try:
+        out = tmp_path_factory.mktemp("resume_data") / "run"
+        trainer, warnings = _warnings_of(lambda: _trainer(out, SAMPLES))
+        trainer.train()
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    return out, warnings
+
+
+def test_folded_gradient_accumulation_is_a_notice_users_see(saved_run):
+    _, warnings = saved_run
+    folded = [w for w in warnings if "gradient_accumulation_steps=2 becomes part of the minibatch" in w]
+    assert len(folded) == 1 and "gradient_accumulation_steps set to 1" in folded[0], warnings
+
+
+def test_the_marker_records_the_dataset(saved_run):
+    out, _ = saved_run
+    marker = json.loads((out / "checkpoint-2" / "odc_checkpoint.json").read_text())
+    assert marker["dataset"]["num_samples"] == SAMPLES and len(marker["dataset"]["lengths_sha256"]) == 16, (
+        marker
+    )
+
+
+def test_resuming_with_another_dataset_warns_with_both_sizes(saved_run, tmp_path, monkeypatch):
+    out, _ = saved_run
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    run = shutil.copytree(out, tmp_path / "run")
+    same, warnings = _warnings_of(lambda: _trainer(run, SAMPLES))
+    _, warnings = _warnings_of(lambda: same.train(resume_from_checkpoint=True))
+    assert not [w for w in warnings if "another training dataset" in w], warnings
+    smaller = _trainer(run, SAMPLES // 2)
+    _, warnings = _warnings_of(lambda: smaller.train(resume_from_checkpoint=True))
+    changed = [w for w in warnings if "another training dataset" in w]
+    assert len(changed) == 1, warnings
+    marker = json.loads((run / "checkpoint-2" / "odc_checkpoint.json").read_text())
+    fingerprint = marker["dataset"]["lengths_sha256"]
+    assert (
+        f"the checkpoint's had 16 samples (token-count fingerprint {fingerprint}), this run's has 8 samples"
+        in (changed[0])
+    ), changed[0]
+    assert f"{run / 'checkpoint-2'}" in changed[0] and "skips the 2 steps already trained" in changed[0], (
+        changed[0]
+    )
+
+
+def test_a_model_file_cut_short_is_named_with_the_checkpoint_to_use(saved_run, tmp_path, monkeypatch):
+    from odc_hf.integrations.checkpoint import CheckpointPartMissing
+
+    out, _ = saved_run
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    run = shutil.copytree(out, tmp_path / "run")
+    weights = run / "checkpoint-2" / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+    trainer = _trainer(run, SAMPLES)
+    with pytest.raises(CheckpointPartMissing) as caught:
+        trainer.train(resume_from_checkpoint=True)  # the marker is there: the save itself had finished
+    message = str(caught.value)
+    assert f"checkpoint {run / 'checkpoint-2'} cannot be resumed: model.safetensors (the model weights) is cut short (" \
+           f"{size // 2:,} bytes; its header records {size:,})" in message, message  # fmt: skip
+    assert f"resume from the earlier checkpoint {run / 'checkpoint-1'}" in message, message
+    assert trainer.state.global_step == 0  # nothing was loaded or trained
+
+
+def test_safetensors_headers_are_checked_without_loading_tensors(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from odc_hf.integrations.checkpoint import safetensors_damage
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(64), "b": torch.ones(3, 5)}, path)
+    assert safetensors_damage(str(path)) is None
+    whole = path.read_bytes()
+    for cut, expected in ((4, "not even a safetensors header"), (20, "its header alone should take"),
+                          (len(whole) - 1, f"is cut short ({len(whole) - 1:,} bytes; its header records "
+                                           f"{len(whole):,})")):  # fmt: skip
+        path.write_bytes(whole[:cut])
+        assert expected in (safetensors_damage(str(path)) or ""), cut
+    path.write_bytes(whole + b"\0")
+    assert "is longer than its header says" in safetensors_damage(str(path))
+    path.write_bytes(whole[:8] + b"{not json" + whole[17:])
+    assert safetensors_damage(str(path)) == "has an unreadable safetensors header"
+
+
+def test_resuming_on_another_number_of_ranks_is_a_notice_users_see():
+    from odc_hf.config import ODCConfig
+    from odc_hf.integrations.resume import check_layout
+
+    accelerator = SimpleNamespace(num_processes=3, is_main_process=True, torch_device_mesh=None)
+    trainer = SimpleNamespace(accelerator=accelerator, odc_global_batch_size=8,
+                              odc_config=ODCConfig(global_batch_size=8))  # fmt: skip
+    saved = {"global_step": 4, "world_size": 2, "mesh": [2], "global_batch_size": 8}
+    _, warnings = _warnings_of(lambda: check_layout(trainer, "out/checkpoint-4", saved))
+    assert (
+        len(warnings) == 1
+        and "resuming out/checkpoint-4, written by 2 ranks (mesh [2]), on 3 ranks" in warnings[0]
+    )
