@@ -241,18 +241,20 @@ class ODCHandle:
 
     @torch.no_grad()
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, whole parameter)`` for every parameter of the model, from the published shards: no collective,
-        no peer takes part (:mod:`odc_hf.fsdp.full_parameters`). Names as ``model.named_parameters()`` gives them (a
-        tied output embedding once, under the input embedding's name); values in each unit's all-gather dtype.
+        """``(name, whole parameter)`` for every parameter of the model, from the published shards: no
+        collective, no peer takes part (:mod:`odc_hf.fsdp.full_parameters`). Names as
+        ``model.named_parameters()`` gives them (a tied output embedding once, under the input embedding's name);
+        values in each unit's all-gather dtype.
 
-        Valid from :meth:`publish` until the next :meth:`finish_minibatch`, where the forward's gathers are valid too
-        (e.g. to push the weights into an inference engine before generating). One unit's rows are in memory at a
-        time; each tensor yielded is new (keep it or drop it).
+        Valid from :meth:`publish` until the next :meth:`finish_minibatch`, where the forward's gathers are valid
+        too (e.g. to push the weights into an inference engine before generating). One unit's rows are in memory
+        at a time; each tensor yielded is new (keep it or drop it).
         """
         if self.transport is not None and not self.published:
             raise ODCError(
-                f"rank {self.global_rank}: full_parameters() in minibatch {self.minibatch} between finish_minibatch() "
-                "and publish(): peers may be writing their new shards; call it after the optimizer step's publish()"
+                f"rank {self.global_rank}: full_parameters() in minibatch {self.minibatch} between "
+                "finish_minibatch() and publish(): peers may be writing their new shards; call it after the "
+                "optimizer step's publish()"
             )
         yield from full_parameters(self.model, self.units, self.transport, self.rank)
 

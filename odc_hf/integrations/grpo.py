@@ -136,10 +136,11 @@ class _GRPOPart:
     odc_global_batch_option = False  # the batch is TRL's generation batch, sized from its own arguments
 
     def __init__(self, *args, **kwargs):
-        arguments = self._odc_argument("args", args, kwargs)
+        base = {k: v for k, v in kwargs.items() if k != "odc_config"}  # the base trainer's arguments
+        arguments = self._odc_argument("args", args, base)
         if arguments is not None:  # None: TRL's default GRPOConfig, checked below
             _check_arguments(arguments, arguments.gradient_accumulation_steps,
-                             self._odc_argument("peft_config", args, kwargs))  # fmt: skip
+                             self._odc_argument("peft_config", args, base))  # fmt: skip
         super().__init__(*args, **kwargs)
         check_trl_grpo(self)
         _check_settings(self, self.odc_folded_accumulation)
