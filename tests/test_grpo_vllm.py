@@ -257,3 +257,44 @@ def test_vllm_version_policy_and_environment():
     assert environ == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # FlashInfer importable: its sampler stays on
     vllm_version.prefer_vllm_environment(environ, flashinfer=False)
     assert environ == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def test_trl_vllm_surfaces_the_sync_relies_on():
+    # TRL 1.16: the engine is built by VLLMGeneration._init_vllm from the accelerator's local rank; generate() re-syncs
+    # through self.sync_weights() while the weights sleep; GRPOTrainer syncs once per optimizer step (_last_loaded_step)
+    import inspect
+
+    from trl.generation.vllm_generation import VLLMGeneration
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    init = inspect.getsource(VLLMGeneration._init_vllm)
+    assert 'os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)' in init
+    assert "self.llm = LLM(" in init and 'distributed_executor_backend="external_launcher"' in init
+    generate = inspect.getsource(VLLMGeneration.generate)
+    assert "self._llm_weights_sleeping" in generate and "self.sync_weights()" in generate
+    turn = inspect.getsource(GRPOTrainer._generate_single_turn)
+    assert "if self.state.global_step != self._last_loaded_step:" in turn
+    assert "self.vllm_generation.sync_weights()" in turn
+
+
+def test_engine_device_builds_the_engine_on_the_shared_gpu(monkeypatch):
+    import os
+
+    import trl.generation.vllm_generation as generation
+
+    from odc_hf.integrations.vllm_sync import engine_device
+
+    seen = []
+
+    class Recording:
+        def __init__(self, **kwargs):
+            seen.append(os.environ.get("LOCAL_RANK"))
+
+    monkeypatch.setattr(generation, "LLM", Recording, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # TRL's value for the second rank on the node
+    with engine_device(0):
+        generation.LLM(model="m")
+    assert seen == ["0"] and os.environ["LOCAL_RANK"] == "1" and generation.LLM is Recording
+    with engine_device(None):  # one GPU per rank: nothing changes
+        generation.LLM(model="m")
+    assert seen == ["0", "1"]
