@@ -122,7 +122,7 @@ def plot(payload: dict, analysis: dict, path: Path) -> Path | None:
         return None
     fig, (bars, lines) = plt.subplots(1, 2, figsize=(12, 4.5))
     parts = ("generate_s", "sync_s", "score_s", "train_s")
-    for x, (variant, s) in enumerate(summary.items()):
+    for x, s in enumerate(summary.values()):
         bottom = 0.0
         for k, phase in enumerate(parts):
             value = s[phase] or 0.0
