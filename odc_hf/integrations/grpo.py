@@ -6,7 +6,9 @@ microbatches of ``per_device_train_batch_size`` completions; under FSDP collecti
 completions sets the pace of every layer of every microbatch. Here, per generation:
 
 1. each rank generates its own prompts (``generate()`` under FSDP2 gathers peers' shards one-sidedly, so ranks
-   finish at different times without waiting for each other) and TRL scores them (advantages are final);
+   finish at different times without waiting for each other; with ``use_vllm=True`` on its own colocated vLLM
+   engine, TRL's ``VLLMGeneration``, its weights pushed from ODC's published shards:
+   :mod:`odc_hf.integrations.vllm_sync`) and TRL scores them (advantages are final);
 2. every sample gets the loss weight TRL's normalisation gives it (see :func:`sample_weights`): the collective
    trainer's loss is a fixed weighted sum of per-token terms, and only the weights depend on which rank and
    microbatch TRL put a sample in;
@@ -28,7 +30,9 @@ version policy; ``tests/test_grpo_trl_surface.py``):
 ``_generate_and_score_completions`` (generation + scoring), ``_get_train_sampler`` (overridden: one dataloader
 batch per optimizer step), ``_metrics`` (per-step aggregation), ``_get_per_token_logps_and_entropies`` and
 ``_compute_loss`` (the metrics' recomputation per slice), and the key names of the batch dict that
-``_compute_loss`` reads (``tool_mask`` multiplies the loss mask, ``num_items_in_batch`` normalises ``dapo``).
+``_compute_loss`` reads (``tool_mask`` multiplies the loss mask, ``num_items_in_batch`` normalises ``dapo``). With
+vLLM, ``VLLMGeneration``'s sleep flag and the ``LLM`` name its engine is built through
+(:mod:`odc_hf.integrations.vllm_sync`, ``tests/test_grpo_vllm.py``).
 """
 
 from __future__ import annotations

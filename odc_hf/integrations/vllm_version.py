@@ -10,7 +10,7 @@ The environment vLLM needs beside a trainer, set where the user has not set it (
 builds the engine (:func:`prefer_vllm_environment`):
 
 - ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine runs in the training process. vLLM's multiprocess engine hung at
-  start-up on the GPU image (no output for minutes); in-process, ``apply_model`` hands the weights to the model
+  start-up on an H200 (torch 2.11.0+cu130; no output for minutes); in-process, ``apply_model`` hands the weights to the model
   without copying them to another process. (vLLM 0.26 also sets it itself for the ``external_launcher`` executor
   that colocated engines use.)
 - ``VLLM_USE_FLASHINFER_SAMPLER=0``, only where FlashInfer is not importable: vLLM's default top-k / top-p sampler
