@@ -82,13 +82,17 @@ def two_ranks(out: Path, *args) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def assert_synced_exactly(run: dict, what: str) -> None:
+def assert_synced_exactly(run: dict, what: str, *, merged: tuple[str, ...] = ()) -> None:
+    """Every engine parameter equals the trainer's cast to the engine's dtype. ``merged``: LoRA-merged projections,
+    whose fp32 sum the test recomputes on the same GPU (the same kernel: expected equal too); should a kernel
+    choice differ, one rounding step of the engine's dtype is all they may differ by."""
     syncs = run["syncs"]
-    print(f"{what}: {len(syncs)} syncs, engine vs trainer max |diff| {[s['max_abs'] for s in syncs]}, "
-          f"sync seconds {run.get('sync_seconds')}")  # fmt: skip
+    print(f"{what}: {len(syncs)} syncs, engine vs trainer max |diff| {[s['max_abs'] for s in syncs]}, unequal "
+          f"{[len(s['unequal']) for s in syncs]}, sync seconds {run.get('sync_seconds')}")  # fmt: skip
     assert [s["global_step"] for s in syncs] == list(range(STEPS)), (what, syncs)  # once per optimizer step
     for s in syncs:
-        assert s["unequal"] == [] and s["uncovered"] == [] and s["max_abs"] == 0.0, (what, s)
+        assert s["uncovered"] == [] and s["beyond_ulp"] == [], (what, s)
+        assert all(any(f".{m}." in name for m in merged) for name in s["unequal"]), (what, s)
 
 
 def assert_logs_trl_keys(run: dict, keys, what: str) -> None:
@@ -138,7 +142,7 @@ def test_world1_sleep_mode_and_lora(tmp_path):
     # merged into the base weights (W + scaling * B @ A; the adapter moves after step 1, so syncs 2 and 3 differ from
     # the base model)
     run = one_process(tmp_path / "odc", "odc", "--sleep", "--peft")
-    assert_synced_exactly(run, "ODCGRPOTrainer, sleep mode + LoRA")
+    assert_synced_exactly(run, "ODCGRPOTrainer, sleep mode + LoRA", merged=("qkv_proj",))
     assert_logs_trl_keys(run, TRL_VLLM_KEYS, "ODCGRPOTrainer, sleep mode + LoRA")
 
 

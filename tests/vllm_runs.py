@@ -6,6 +6,9 @@ same tiny Qwen2 (head_dim 64, saved to disk: vLLM loads its engine from the path
     accelerate launch --config_file accelerate_configs/odc.yaml --num_processes 2 tests/vllm_runs.py odc OUT
                                                        # two ranks (on a one-GPU machine they share it)
 
+``--stand_in`` runs the same on CPU with tests/vllm_fake.py's engine (HF names, no stacking), to check this runner
+without a GPU. Both trainers run with odc_hf's vLLM environment (``prefer_vllm_environment``).
+
 After every weight sync the engine's parameters are read back (``LLM.apply_model``) and compared with the trainer's
 own parameters at that moment, gathered independently of ODC (each shard through the CPU,
 ``odc_hf.fsdp.state_dict.full_tensor_on_cpu``), mapped as vLLM's Qwen2 stacks them (``qkv_proj`` = q, k, v;
@@ -54,21 +57,36 @@ def compare(engine_model, expected: dict) -> dict:
     """Run in the engine (apply_model): every engine parameter against ``expected`` (CPU tensors)."""
     import torch
 
-    worst, unequal, uncovered = 0.0, [], []
+    worst, unequal, beyond_ulp, uncovered = 0.0, [], [], []
     for name, param in engine_model.named_parameters():
         want = expected.get(name)
         if want is None:
             uncovered.append(name)
             continue
         got = param.detach()[: want.shape[0]] if param.shape[0] > want.shape[0] else param.detach()
-        want = want.to(got.device, got.dtype)
+        exact = want.to(got.device)
+        want = exact.to(got.dtype)
         if got.shape != want.shape:
             unequal.append(f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}")
+            beyond_ulp.append(name)
             continue
         worst = max(worst, float((got.float() - want.float()).abs().max()))
         if not torch.equal(got, want):
             unequal.append(name)
-    return {"max_abs": worst, "unequal": unequal, "uncovered": uncovered, "compared": len(expected)}
+            # one rounding step of the engine's dtype around the trainer's value (a merge computed elsewhere)
+            ulp = torch.finfo(got.dtype).eps * exact.float().abs().clamp(min=torch.finfo(got.dtype).tiny)
+            if bool(((got.float() - exact.float()).abs() > ulp).any()):
+                beyond_ulp.append(name)
+    return {
+        "max_abs": worst,
+        "unequal": unequal,
+        "beyond_ulp": beyond_ulp,
+        "uncovered": uncovered,
+        "compared": len(expected),
+    }
+
+
+STAND_IN = False  # --stand_in: tests/vllm_fake.py's CPU engine (a transformers model: HF names, no stacking)
 
 
 def trainer_weights(trainer) -> dict:
@@ -78,10 +96,12 @@ def trainer_weights(trainer) -> dict:
     from odc_hf.integrations.vllm_weights import LoraMerge, vllm_weights
 
     model = trainer.accelerator.unwrap_model(trainer.model)
-    named = [(n, full_tensor_on_cpu(p)) for n, p in model.named_parameters()]
+    device = trainer.accelerator.device  # LoRA: merged where the sync merges (the same matmul kernel)
+    named = [(n, full_tensor_on_cpu(p).to(device)) for n, p in model.named_parameters()]
     configs = getattr(model, "peft_config", None)
     lora = LoraMerge.from_config(configs[model.active_adapter], model.active_adapter) if configs else None
-    return vllm_layout(dict(vllm_weights(named, lora)))
+    weights = dict(vllm_weights(named, lora))
+    return {name: t.cpu() for name, t in (weights if STAND_IN else vllm_layout(weights)).items()}
 
 
 def add_checks(trainer, record: dict) -> None:
@@ -105,6 +125,15 @@ def add_checks(trainer, record: dict) -> None:
     generation.__class__ = Checked
 
 
+def _version(name: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def build_model(out: Path, rank: int) -> str:
     """The tiny model (head_dim 64) and the offline tokenizer, saved for vLLM; returns the path."""
     from odc_hf.data import TINY_HEAD_DIM_64, default_tokenizer, tiny_qwen2_model
@@ -121,18 +150,23 @@ def build_model(out: Path, rank: int) -> str:
 def run(
     trainer_name: str, out: Path, *, steps: int, sleep: bool, peft: bool, memory: float, length: int
 ) -> dict:
-    import importlib.metadata
-
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from odc_hf import ODCConfig, ODCGRPOConfig, ODCGRPOTrainer
+    from odc_hf.integrations.vllm_version import prefer_vllm_environment
 
+    prefer_vllm_environment()  # TRL's run too: the same engine environment for both trainers
     rank = int(os.environ.get("RANK", "0"))
     out.mkdir(parents=True, exist_ok=True)
     path = build_model(out, rank)
+    if STAND_IN:
+        import vllm_fake
+        from transformers import AutoConfig
+
+        vllm_fake.install(AutoConfig.from_pretrained(path))
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     config_class = ODCGRPOConfig if trainer_name == "odc" else GRPOConfig
@@ -140,7 +174,7 @@ def run(
         output_dir=str(out / "trainer"), max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         num_generations=4, max_completion_length=length, learning_rate=1e-3, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="dapo", seed=0, logging_steps=1,
-        save_strategy="no", report_to="none", bf16=False, disable_tqdm=True, temperature=1.0,
+        save_strategy="no", report_to="none", bf16=False, use_cpu=STAND_IN, disable_tqdm=True, temperature=1.0,
         gradient_checkpointing=False, model_init_kwargs={"dtype": torch.float32}, use_vllm=True,
         vllm_mode="colocate", vllm_gpu_memory_utilization=memory, vllm_enable_sleep_mode=sleep,
         vllm_max_model_length=1024,
@@ -168,7 +202,7 @@ def run(
         "history": [h for h in trainer.state.log_history if "loss" in h],
         "world": trainer.accelerator.num_processes,
         "device": str(trainer.accelerator.device),
-        "versions": {n: importlib.metadata.version(n) for n in ("vllm", "torch", "trl", "transformers")},
+        "versions": {n: _version(n) for n in ("vllm", "torch", "trl", "transformers")},
         "env": {
             k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER")
         },
@@ -192,7 +226,10 @@ def main(argv=None) -> None:
         "--gpu_memory_utilization", type=float, default=0.2, help="vLLM's share of the GPU, per engine"
     )
     p.add_argument("--max_completion_length", type=int, default=64)
+    p.add_argument("--stand_in", action="store_true", help="CPU: tests/vllm_fake.py's engine instead of vLLM")
     a = p.parse_args(argv)
+    global STAND_IN
+    STAND_IN = a.stand_in
     run(
         a.trainer,
         a.out,
@@ -206,4 +243,5 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests"))
     main()
