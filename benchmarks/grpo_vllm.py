@@ -1,8 +1,9 @@
 """One GPU, GRPO with vLLM colocate: TRL's GRPOTrainer (T) vs ODCGRPOTrainer (O) on the same prompts, whole steps
 split into generation, weight sync, scoring and training.
 
-    python benchmarks/grpo_vllm.py --commit HASH --out $OUT                      # T then O (one H200: ~8 min)
-    python benchmarks/grpo_vllm.py --variants O,T --commit HASH --out $OUT        # the other order, next call
+    python benchmarks/grpo_vllm.py --variants T --commit HASH --out $OUT/a         # one run per call (see below)
+    python benchmarks/grpo_vllm.py --variants O --commit HASH --out $OUT/b
+    python benchmarks/grpo_vllm.py --variants T,O --commit HASH --out $OUT         # both in one call
     python benchmarks/grpo_vllm.py --merge A/grpo_vllm_*.json B/grpo_vllm_*.json --out benchmarks/results
     python benchmarks/grpo_vllm.py --smoke --out /tmp/grpo_vllm                   # CPU: tiny model, stand-in engine
 
@@ -16,7 +17,9 @@ almost never samples EOS (1 in 151,936), so vLLM's sampling gets a logit bias on
 TRL's importance-sampling ratio on EOS tokens is off from 1, in both variants alike; it does not change the timing.)
 
 Each run is a fresh process (its own CUDA context and vLLM engine), one after another in ``--variants`` order; run
-the other order in the next call and ``--merge`` the JSONs (interleaved runs, pooled medians). Per optimizer step,
+the other order in the next call and ``--merge`` the JSONs (interleaved runs, pooled medians). Not yet measured: a
+run is vLLM's start (weights, compilation, CUDA graphs: about a minute expected) plus steps of tens of seconds (a
+completion near the 4,096-token cap sets each generation's length), so one or two runs fit a 10-minute call. Per optimizer step,
 with ``cuda.synchronize`` at every boundary: the whole step (the Trainer's ``on_step_begin`` to ``on_step_end``), vLLM's
 ``generate`` and the weight sync (timed on the engine object, TRL's ``VLLMGeneration``), TRL's
 ``_generate_and_score_completions`` (scoring = it minus generation and sync), training = the rest. The report
