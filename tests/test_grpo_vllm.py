@@ -40,9 +40,8 @@ def digit_reward(completions, **kwargs) -> list[float]:
     return [sum(ch.isdigit() for ch in text) / max(1, len(text)) for text in completions]
 
 
-def _train(
-    rank: int, world: int, out: str, trainer_name: str, *, sleep: bool = False, peft: bool = False
-) -> dict:
+def _train(rank: int, world: int, out: str, trainer_name: str, *, sleep: bool = False, peft: bool = False,
+           is_mode: str = "token_truncate") -> dict:  # fmt: skip
     import os
 
     import torch
@@ -67,6 +66,7 @@ def _train(
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="dapo", seed=0, logging_steps=1,
         save_strategy="no", report_to="none", bf16=False, use_cpu=True, disable_tqdm=True, temperature=1.0,
         gradient_checkpointing=False, use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=sleep,
+        vllm_importance_sampling_mode=is_mode,
     )  # fmt: skip
     data = Dataset.from_list([{"prompt": f"Compute {a} + {3 * a % 17} = "} for a in range(64)])
     kwargs = dict(
@@ -142,7 +142,9 @@ def _entry(rank, world, out):
             for name, (trainer, options) in RUNS.items()}  # fmt: skip
 
 
-RUNS = {"odc": ("odc", {}), "odc_lora_sleep": ("odc", {"sleep": True, "peft": True}), "trl": ("trl", {})}
+# the LoRA + sleep run also takes TRL's sequence-level importance-sampling ratio ((B, 1) per generation batch)
+RUNS = {"odc": ("odc", {}), "odc_lora_sleep": ("odc", {"sleep": True, "peft": True, "is_mode": "sequence_mask"}),
+        "trl": ("trl", {})}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
