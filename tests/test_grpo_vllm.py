@@ -300,3 +300,17 @@ def test_engine_device_builds_the_engine_on_the_shared_gpu(monkeypatch):
     with engine_device(None):  # one GPU per rank: nothing changes
         generation.LLM(model="m")
     assert seen == ["0", "1"]
+
+
+def test_odc_grpo_config_with_vllm_sets_the_environment(tmp_path, monkeypatch):
+    import os
+
+    from odc_hf import ODCGRPOConfig
+
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER"):
+        monkeypatch.delenv(name, raising=False)
+    ODCGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_vllm=False)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ  # only with use_vllm
+    ODCGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_vllm=True)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # FlashInfer is not installed here
