@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -358,6 +359,8 @@ def main(argv=None) -> int:
             result = _in_child(args, variant, model_dir, runs, index)
         payload["runs"].append(result)
         paths = grpo_vllm_report.write(args.out, payload, report)
+    if not args.work and not args.model_dir:  # the saved model (3 GB at 1.5B) stays out of the results
+        shutil.rmtree(args.work_dir, ignore_errors=True)
     print(f"grpo_vllm: report {paths[1]}", flush=True)
     return 0 if all(r.get("ok") for r in payload["runs"]) else 1
 
