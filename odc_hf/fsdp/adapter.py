@@ -26,6 +26,7 @@ replication) there is nothing to gather or scatter: FSDP2 accumulates locally an
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from odc_hf.fsdp import internals
+from odc_hf.fsdp.full_parameters import full_parameters
 from odc_hf.fsdp.hooks import ODCAllGather, ODCReduceScatter, ReplicaOnlyReduceScatter
 from odc_hf.fsdp.units import ODCUnit, Topology, find_units
 from odc_hf.transport import DEFAULT_TIMEOUT_S, ODCError, Transport, make_transport
@@ -236,6 +238,25 @@ class ODCHandle:
         from odc_hf.fsdp.gradients import clip_grad_norm_
 
         return clip_grad_norm_(self, parameters, max_norm, norm_type)
+
+    @torch.no_grad()
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, whole parameter)`` for every parameter of the model, from the published shards: no
+        collective, no peer takes part (:mod:`odc_hf.fsdp.full_parameters`). Names as
+        ``model.named_parameters()`` gives them (a tied output embedding once, under the input embedding's name);
+        values in each unit's all-gather dtype.
+
+        Valid from :meth:`publish` until the next :meth:`finish_minibatch`, where the forward's gathers are valid
+        too (e.g. to push the weights into an inference engine before generating). One unit's rows are in memory
+        at a time; each tensor yielded is new (keep it or drop it).
+        """
+        if self.transport is not None and not self.published:
+            raise ODCError(
+                f"rank {self.global_rank}: full_parameters() in minibatch {self.minibatch} between "
+                "finish_minibatch() and publish(): peers may be writing their new shards; call it after the "
+                "optimizer step's publish()"
+            )
+        yield from full_parameters(self.model, self.units, self.transport, self.rank)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer):
         """Publish (the trainable shards) after every ``optimizer.step()``; returns the hook handle."""

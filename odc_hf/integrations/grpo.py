@@ -6,7 +6,9 @@ microbatches of ``per_device_train_batch_size`` completions; under FSDP collecti
 completions sets the pace of every layer of every microbatch. Here, per generation:
 
 1. each rank generates its own prompts (``generate()`` under FSDP2 gathers peers' shards one-sidedly, so ranks
-   finish at different times without waiting for each other) and TRL scores them (advantages are final);
+   finish at different times without waiting for each other; with ``use_vllm=True`` on its own colocated vLLM
+   engine, TRL's ``VLLMGeneration``, its weights pushed from ODC's published shards:
+   :mod:`odc_hf.integrations.vllm_sync`) and TRL scores them (advantages are final);
 2. every sample gets the loss weight TRL's normalisation gives it (see :func:`sample_weights`): the collective
    trainer's loss is a fixed weighted sum of per-token terms, and only the weights depend on which rank and
    microbatch TRL put a sample in;
@@ -28,7 +30,9 @@ version policy; ``tests/test_grpo_trl_surface.py``):
 ``_generate_and_score_completions`` (generation + scoring), ``_get_train_sampler`` (overridden: one dataloader
 batch per optimizer step), ``_metrics`` (per-step aggregation), ``_get_per_token_logps_and_entropies`` and
 ``_compute_loss`` (the metrics' recomputation per slice), and the key names of the batch dict that
-``_compute_loss`` reads (``tool_mask`` multiplies the loss mask, ``num_items_in_batch`` normalises ``dapo``).
+``_compute_loss`` reads (``tool_mask`` multiplies the loss mask, ``num_items_in_batch`` normalises ``dapo``). With
+vLLM, ``VLLMGeneration``'s sleep flag and the ``LLM`` name its engine is built through
+(:mod:`odc_hf.integrations.vllm_sync`, ``tests/test_grpo_vllm.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from odc_hf.balance.padded import padded_microbatch_width, plan_padded
 from odc_hf.balance.planner import PLANNERS
+from odc_hf.integrations import shared_gpu
 from odc_hf.integrations.attention_setup import is_varlen, prepare_attention
 from odc_hf.integrations.grpo_batch import (
     PACKED_KEY,
@@ -60,6 +65,9 @@ from odc_hf.integrations.grpo_metrics import CLIP_EXTREMES, MetricRecorder, Slic
 from odc_hf.integrations.trainer import ODCMixin
 from odc_hf.integrations.trl_config import quiet_upstream_deprecations
 from odc_hf.integrations.trl_version import check_trl
+from odc_hf.integrations.vllm_sync import adopt_generation, engine_device
+from odc_hf.integrations.vllm_version import check_vllm, prefer_vllm_environment
+from odc_hf.integrations.vllm_weights import LoraMerge
 
 logger = logging.getLogger(__name__)
 
@@ -73,24 +81,54 @@ def check_trl_grpo(trainer) -> None:
     check_trl(trainer, "ODCGRPOTrainer", methods=TRL_PRIVATE_METHODS, attributes=TRL_PRIVATE_ATTRIBUTES)
 
 
-def _check_settings(trainer, grad_accum: int) -> None:
-    args = trainer.args
+def _refusals(args, grad_accum: int) -> list[str]:
+    """What ODCGRPOTrainer refuses, from the training arguments alone (checked before TRL builds anything)."""
     refuse = []
-    if trainer.loss_type not in SUPPORTED_LOSS_TYPES:
-        refuse.append(f"loss_type={trainer.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)})")
+    if args.loss_type not in SUPPORTED_LOSS_TYPES:
+        refuse.append(f"loss_type={args.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)})")
     if args.steps_per_generation != grad_accum:
         refuse.append(
             f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps={grad_accum} "
             "(ODC trains one generation batch per optimizer step)"
         )
-    if args.use_vllm:
-        refuse.append("use_vllm=True (ODC's point here is generate() without lockstep)")
+    if args.use_vllm and args.vllm_mode != "colocate":
+        refuse.append(
+            f"vllm_mode={args.vllm_mode!r}: a vLLM server generates every rank's prompts from rank 0 and "
+            "broadcasts the completions (all ranks wait for all), and takes its weights from rank 0 after a "
+            "full_tensor() collective per parameter: nothing of ODC's one-sided path remains. Use "
+            "vllm_mode='colocate': each rank generates on its own engine, its weights read from ODC's "
+            "published shards (vllm_gpu_memory_utilization sets the engine's share of the GPU)"
+        )
+    if args.use_vllm and args.vllm_tensor_parallel_size != 1:
+        refuse.append(
+            f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} (a tensor-parallel engine group "
+            "generates its ranks' prompts together, in lockstep; untested with ODC): use "
+            "vllm_tensor_parallel_size=1"
+        )
     if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
         refuse.append("an entropy bonus (entropy_coef / use_adaptive_entropy): it is normalised per microbatch")
     if args.top_entropy_quantile < 1.0:
         refuse.append("top_entropy_quantile < 1 (its quantile is gathered across ranks per microbatch)")
     if args.sync_ref_model:
         refuse.append("sync_ref_model=True (the ODC reference model is published once)")
+    return refuse
+
+
+def _check_arguments(args, grad_accum: int, peft_config=None) -> None:
+    """Before TRL builds the trainer (a vLLM engine takes tens of seconds): the refusals, vLLM's version, the
+    environment vLLM needs (odc_hf/integrations/vllm_version.py)."""
+    refuse = _refusals(args, grad_accum)
+    if refuse:
+        raise ValueError("ODCGRPOTrainer does not support " + "; ".join(refuse))
+    if args.use_vllm:
+        check_vllm()
+        prefer_vllm_environment()
+        if peft_config is not None:
+            LoraMerge.from_config(peft_config)  # refuses adapters the weight sync cannot merge
+
+
+def _check_settings(trainer, grad_accum: int) -> None:
+    refuse = _refusals(trainer.args, grad_accum)
     if not trainer.odc_config.enabled:
         refuse.append("ODCConfig(enabled=False): for the collective baseline use trl.GRPOTrainer itself")
     if refuse:
@@ -103,9 +141,19 @@ class _GRPOPart:
     odc_global_batch_option = False  # the batch is TRL's generation batch, sized from its own arguments
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        base = {k: v for k, v in kwargs.items() if k != "odc_config"}  # the base trainer's arguments
+        arguments = self._odc_argument("args", args, base)
+        if arguments is not None:  # None: TRL's default GRPOConfig, checked below
+            _check_arguments(arguments, arguments.gradient_accumulation_steps,
+                             self._odc_argument("peft_config", args, base))  # fmt: skip
+        # ranks sharing a GPU: each rank's engine on that GPU, not on cuda:<local rank> (vllm_sync.engine_device)
+        shared = arguments is not None and arguments.use_vllm and shared_gpu.active()
+        with engine_device(shared_gpu.device().index if shared else None):
+            super().__init__(*args, **kwargs)
         check_trl_grpo(self)
         _check_settings(self, self.odc_folded_accumulation)
+        if self.use_vllm:  # TRL's engine, ODC's weight sync (odc_hf/integrations/vllm_sync.py)
+            adopt_generation(self.vllm_generation, self._odc_full_weights, self._odc_lora_merge())
         self.odc_generation_steps = 0  # optimizer steps trained since the last generation
         self.odc_root_initialised = False  # see _odc_generate_without_lockstep
         self.odc_bundle: GRPOBundle | None = None
@@ -119,6 +167,25 @@ class _GRPOPart:
         if self.accelerator.is_main_process:
             logger.info("odc_hf: GRPO training microbatches %s (grpo_layout=%r)",
                         "packed" if self.odc_grpo_packed else "padded", self.odc_config.grpo_layout)  # fmt: skip
+
+    def _odc_full_weights(self):
+        """The policy's whole parameters for the vLLM sync: from ODC's published shards (no collective), or,
+        in one process (no ODC, no sharding), the parameters themselves."""
+        if self.odc is not None:
+            return self.odc.full_parameters()
+        model = self.accelerator.unwrap_model(self.model)
+        return ((name, param.detach()) for name, param in model.named_parameters())
+
+    def _odc_lora_merge(self) -> LoraMerge | None:
+        """How the vLLM sync merges the policy's LoRA adapter (peft's config), ``None`` without one."""
+        model = self.accelerator.unwrap_model(self.model)
+        configs = getattr(model, "peft_config", None)
+        if not configs:
+            return None
+        adapter = model.active_adapter
+        if not isinstance(adapter, str):  # several active adapters
+            raise NotImplementedError(f"odc_hf's vLLM weight sync merges one active adapter, got {adapter}")
+        return LoraMerge.from_config(configs[adapter], adapter)
 
     def _odc_packed_layout(self) -> bool:
         """``ODCConfig.grpo_layout`` resolved. ``auto`` packs under a varlen attention that gains from it: the flash
@@ -194,7 +261,7 @@ class _GRPOPart:
         With PEFT, generation also enters below FSDP's root unit (see the comments below).
         """
         model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL's unwrap_model_for_generation yields
-        if self.odc is None or "generate" in vars(model):
+        if self.odc is None or self.use_vllm or "generate" in vars(model):  # vLLM: no policy generate()
             yield
             return
         root = self.model_wrapped
@@ -377,6 +444,9 @@ class _GRPOPart:
     def log(self, logs, *args, **kwargs):
         if "loss" in logs and self.odc_plan_summary:
             logs = {**logs, "odc/predicted_bubble": round(self.odc_plan_summary["predicted_bubble_odc"], 4)}
+        synced = getattr(getattr(self, "vllm_generation", None), "odc_sync_seconds", None)
+        if "loss" in logs and synced:  # this rank's last push of the weights into its vLLM engine
+            logs = {**logs, "odc/vllm_sync_s": round(synced[-1], 4)}
         return super().log(logs, *args, **kwargs)
 
 

@@ -19,6 +19,7 @@ from trl import GRPOConfig, SFTConfig
 
 from odc_hf.integrations.arguments import ODCArguments
 from odc_hf.integrations.cuda_allocator import prefer_expandable_segments
+from odc_hf.integrations.vllm_version import prefer_vllm_environment
 
 UPSTREAM_DEPRECATIONS = (
     r"`gradient_checkpointing` is deprecated and will be removed in v6",
@@ -57,6 +58,8 @@ class ODCGRPOConfig(ODCArguments, GRPOConfig):
 
     def __post_init__(self):
         prefer_expandable_segments()  # before the arguments start CUDA (``self.device``): see cuda_allocator
+        if self.use_vllm:  # before anything imports and starts vLLM: see vllm_version
+            prefer_vllm_environment()
         with quiet_upstream_deprecations():
             super().__post_init__()
 

@@ -1,0 +1,316 @@
+"""``ODCGRPOTrainer(use_vllm=True, vllm_mode="colocate")`` wired to TRL's own vLLM generation, on 2 CPU ranks with a
+stand-in engine (tests/vllm_fake.py: TRL builds it where it would build vLLM's ``LLM``; its model starts from its own
+random weights). What runs is TRL's ``VLLMGeneration`` (engine arguments, generation, sleep mode, the
+``_last_loaded_step`` bookkeeping) and TRL's importance-sampling correction and metrics, with ODC's weight sync
+(``ODCWeightSync``: whole parameters from ODC's published shards, vLLM's names, LoRA merged) and ODC's rollout
+balancing and microbatches.
+
+Asserted: one sync per optimizer step, before that step's generation (sleep mode: after waking the weights); every
+tensor the engine loaded equals the trainer's parameter at that moment (``full_tensor()`` at the step's start), under
+the engine's own parameter names, bit for bit (LoRA: the merged weight); the engine generated with those weights
+(TRL's ``sampling/sampling_logp_difference/max``, the trainer's log-probabilities of the sampled tokens against the
+engine's, stays at float noise: < 1e-4, where the engine's own initial weights give differences of order 1); every
+metric TRL's GRPOTrainer logs with the same engine is logged; the engine got TRL's colocate arguments and odc_hf's
+environment. Refused before anything is built: ``vllm_mode="server"``, tensor-parallel engines, an untested vLLM.
+
+What only a GPU can check (tests/test_grpo_vllm_gpu.py): vLLM's own ``load_weights`` (stacked qkv / gate-up
+projections), its sampler and sleep mode's memory, and the two engines of two ranks sharing one GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from odc_hf.testing import run_ranks
+
+STEPS = 3
+ENV = {
+    "ACCELERATE_USE_CPU": "true",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+IS_KEYS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
+           "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+           "sampling/importance_sampling_ratio/max")  # fmt: skip
+NOT_COMPARED = ("step", "epoch", "learning_rate", "step_time")
+
+
+def digit_reward(completions, **kwargs) -> list[float]:
+    return [sum(ch.isdigit() for ch in text) / max(1, len(text)) for text in completions]
+
+
+def _train(rank: int, world: int, out: str, trainer_name: str, *, sleep: bool = False, peft: bool = False,
+           is_mode: str = "token_truncate") -> dict:  # fmt: skip
+    import os
+
+    import torch
+    import vllm_fake
+    from datasets import Dataset
+    from torch.distributed.tensor import DTensor
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from odc_hf import ODCConfig, ODCGRPOTrainer
+    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.integrations.vllm_weights import vllm_weights
+
+    torch.set_num_threads(1)
+    tokenizer = default_tokenizer()
+    tokenizer.padding_side = "left"
+    model = tiny_qwen2_model(tokenizer, seed=0)
+    fake = vllm_fake.install(model.config)
+    args = GRPOConfig(
+        output_dir=out, max_steps=STEPS, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        num_generations=4, max_completion_length=12, learning_rate=1e-2, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="dapo", seed=0, logging_steps=1,
+        save_strategy="no", report_to="none", bf16=False, use_cpu=True, disable_tqdm=True, temperature=1.0,
+        gradient_checkpointing=False, use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=sleep,
+        vllm_importance_sampling_mode=is_mode,
+    )  # fmt: skip
+    data = Dataset.from_list([{"prompt": f"Compute {a} + {3 * a % 17} = "} for a in range(64)])
+    kwargs = dict(
+        model=model, reward_funcs=digit_reward, args=args, train_dataset=data, processing_class=tokenizer
+    )
+    if peft:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0
+        )
+    snapshots = []
+
+    class Snapshot(
+        TrainerCallback
+    ):  # the trainer's parameters when each step starts: what its sync must load
+        def on_step_begin(self, args, state, control, **kw):
+            snapshots.append({n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                              for n, p in trainer.model.named_parameters()})  # fmt: skip
+
+    torch.manual_seed(0)
+    if trainer_name == "odc":
+        trainer = ODCGRPOTrainer(**kwargs, odc_config=ODCConfig(timeout_s=60, log_timeline=False))
+    else:
+        trainer = GRPOTrainer(**kwargs)
+    trainer.add_callback(Snapshot())
+    engine = fake.instances[-1]
+    initial = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    trainer.train()
+    result = {
+        "events": engine.events,
+        "llm": {
+            k: engine.kwargs.get(k)
+            for k in (
+                "distributed_executor_backend",
+                "seed",
+                "logprobs_mode",
+                "enable_sleep_mode",
+                "tensor_parallel_size",
+            )
+        },  # fmt: skip
+        "history": [h for h in trainer.state.log_history if "loss" in h],
+        "env": {
+            k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER")
+        },
+        "initial_differs": any(not torch.equal(initial[n], t) for n, t in engine.model.loaded[-1].items()),
+    }
+    if trainer_name == "odc":
+        lora = trainer._odc_lora_merge()
+        engine_names = {n for n, _ in engine.model.named_parameters()}
+        result["syncs"] = len(engine.model.loaded)
+        result["sync_seconds"] = len(trainer.vllm_generation.odc_sync_seconds)
+        result["mismatched"] = []
+        for k, (load, snapshot) in enumerate(zip(engine.model.loaded, snapshots)):
+            expected = dict(vllm_weights(snapshot.items(), lora))
+            if set(load) != set(expected) or set(load) != engine_names:
+                result["mismatched"].append(
+                    (k, sorted(set(load) ^ set(expected)), sorted(set(load) ^ engine_names))
+                )
+            result["mismatched"] += [
+                (k, n) for n in expected if n in load and not torch.equal(load[n], expected[n])
+            ]
+        result["odc_steps"] = [list(s.microbatches) for s in trainer.odc_stats.steps]
+        for handle in (trainer.odc, trainer.odc_ref):
+            if handle is not None:
+                handle.close()
+    torch.distributed.barrier()
+    return result
+
+
+def _entry(rank, world, out):
+    return {name: _train(rank, world, f"{out}/{name}", trainer, **options)
+            for name, (trainer, options) in RUNS.items()}  # fmt: skip
+
+
+# the LoRA + sleep run also takes TRL's sequence-level importance-sampling ratio ((B, 1) per generation batch)
+RUNS = {"odc": ("odc", {}), "odc_lora_sleep": ("odc", {"sleep": True, "peft": True, "is_mode": "sequence_mask"}),
+        "trl": ("trl", {})}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo_vllm")
+    return run_ranks(_entry, 2, str(out), env=ENV, timeout_s=300)
+
+
+def _per_step(result) -> list:
+    return [(h["step"], h.get("sampling/sampling_logp_difference/max")) for h in result["history"]]
+
+
+def test_one_sync_per_step_loads_the_trainers_parameters_exactly(runs):
+    for rank, per_rank in enumerate(runs):
+        for name in ("odc", "odc_lora_sleep"):
+            result = per_rank[name]
+            assert result["syncs"] == result["sync_seconds"] == STEPS, (name, result["events"])
+            assert result["mismatched"] == [], (name, result["mismatched"][:5])
+            assert result["initial_differs"], (
+                "the engine started from the trainer's weights: the test proves nothing"
+            )
+            assert result["llm"] == {"distributed_executor_backend": "external_launcher", "seed": rank,
+                                     "logprobs_mode": "processed_logprobs", "enable_sleep_mode": name != "odc",
+                                     "tensor_parallel_size": 1}  # fmt: skip
+            assert result["env"] == {
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_USE_FLASHINFER_SAMPLER": "0",
+            }
+        assert runs[rank]["odc"]["events"] == ["apply_model", "reset_prefix_cache", "generate"] * STEPS
+        # sleep mode as TRL runs it: level 2 after building and after every generation; the sync wakes the weights
+        assert runs[rank]["odc_lora_sleep"]["events"] == ["sleep:2"] + [
+            "wake_up:weights", "apply_model", "reset_prefix_cache", "wake_up:kv_cache", "generate", "sleep:2"
+        ] * STEPS  # fmt: skip
+    assert len(runs[0]["odc"]["odc_steps"]) == STEPS
+
+
+def test_the_engine_generates_with_the_synced_weights(runs):
+    # TRL's sampling_logp_difference/max: |trainer log-prob - engine log-prob| of the sampled tokens, max over the
+    # step's tokens of every rank. Same weights, fp32, the engine's unpadded forward vs the trainer's packed rows:
+    # measured <= 1e-6; bound 1e-4. The engine's own initial weights (no sync) give differences of order 1.
+    for name in ("odc", "odc_lora_sleep", "trl"):
+        steps = _per_step(runs[0][name])
+        assert [s for s, _ in steps] == list(range(1, STEPS + 1)), (name, steps)
+        assert all(d is not None and d < 1e-4 for _, d in steps), (name, steps)
+
+
+def test_same_rollouts_as_trls_grpo_trainer_give_the_same_step(runs):
+    # Both trainers start from the same weights and their engines from the same seeds (TRL's seed=rank), so the first
+    # step's completions are the same (equal rewards); later steps sample from weights that agree to float rounding,
+    # so they usually coincide too. Where a step's rewards are equal its rollouts are, and the gradient norms must
+    # agree as in tests/test_grpo_parity.py (fp32, other microbatches: measured equal to 4 digits; bound 1e-4
+    # relative). Losses are ~1e-7 here (on-policy GRPO: the advantages' weighted mean): absolute 1e-6.
+    odc, trl = runs[0]["odc"]["history"], runs[0]["trl"]["history"]
+    same = [i for i, (a, b) in enumerate(zip(odc, trl)) if a["reward"] == b["reward"]]
+    assert 0 in same, (odc[0]["reward"], trl[0]["reward"])
+    for i in same:
+        assert odc[i]["grad_norm"] == pytest.approx(trl[i]["grad_norm"], rel=1e-4), (i, odc[i], trl[i])
+        assert odc[i]["loss"] == pytest.approx(trl[i]["loss"], abs=1e-6), (i, odc[i], trl[i])
+
+
+def test_every_metric_trl_logs_with_vllm_is_logged(runs):
+    trl_keys = set(runs[0]["trl"]["history"][0]) - set(NOT_COMPARED)
+    assert set(IS_KEYS) <= trl_keys
+    for name in ("odc", "odc_lora_sleep"):
+        for h in runs[0][name]["history"]:
+            assert trl_keys <= set(h), (name, sorted(trl_keys - set(h)))
+            assert h["odc/vllm_sync_s"] >= 0.0
+
+
+def _refusal(tmp_path, **changes):
+    from trl import GRPOConfig
+
+    from odc_hf import ODCGRPOTrainer
+    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+
+    tokenizer = default_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, report_to="none",
+                      bf16=False, use_cpu=True, max_completion_length=8, use_vllm=True, **changes)  # fmt: skip
+    import datasets
+
+    ODCGRPOTrainer(model=tiny_qwen2_model(tokenizer), reward_funcs=digit_reward, args=args,
+                   train_dataset=datasets.Dataset.from_list([{"prompt": "1+1="}] * 8), processing_class=tokenizer)  # fmt: skip
+
+
+def test_server_mode_and_tensor_parallel_engines_are_refused_before_anything_is_built(tmp_path, monkeypatch):
+    # vllm is not installed here: had the check come after TRL's constructor, TRL's own ImportError (or, in server
+    # mode, its wait for a server) would come first
+    with pytest.raises(ValueError, match="vllm_mode='server'.*Use vllm_mode='colocate'"):
+        _refusal(tmp_path, vllm_mode="server")
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2"):
+        _refusal(tmp_path, vllm_mode="colocate", vllm_tensor_parallel_size=2)
+    with pytest.raises(ImportError, match=r"odc_hf\[vllm\]"):
+        _refusal(tmp_path, vllm_mode="colocate")
+
+
+def test_vllm_version_policy_and_environment():
+    from odc_hf.integrations import vllm_version
+
+    assert vllm_version.check_vllm("0.26.0+cu130") == "0.26.0+cu130"
+    with pytest.raises(RuntimeError, match="tested with vllm"):
+        vllm_version.check_vllm("0.28.1")
+    environ = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
+    assert vllm_version.prefer_vllm_environment(environ, flashinfer=False) == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
+    }
+    assert environ == {
+        "VLLM_USE_FLASHINFER_SAMPLER": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }  # theirs kept
+    environ = {}
+    vllm_version.prefer_vllm_environment(environ, flashinfer=True)
+    assert environ == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # FlashInfer importable: its sampler stays on
+    vllm_version.prefer_vllm_environment(environ, flashinfer=False)
+    assert environ == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def test_trl_vllm_surfaces_the_sync_relies_on():
+    # TRL 1.16: the engine is built by VLLMGeneration._init_vllm from the accelerator's local rank; generate() re-syncs
+    # through self.sync_weights() while the weights sleep; GRPOTrainer syncs once per optimizer step (_last_loaded_step)
+    import inspect
+
+    from trl.generation.vllm_generation import VLLMGeneration
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    init = inspect.getsource(VLLMGeneration._init_vllm)
+    assert 'os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)' in init
+    assert "self.llm = LLM(" in init and 'distributed_executor_backend="external_launcher"' in init
+    generate = inspect.getsource(VLLMGeneration.generate)
+    assert "self._llm_weights_sleeping" in generate and "self.sync_weights()" in generate
+    turn = inspect.getsource(GRPOTrainer._generate_single_turn)
+    assert "if self.state.global_step != self._last_loaded_step:" in turn
+    assert "self.vllm_generation.sync_weights()" in turn
+
+
+def test_engine_device_builds_the_engine_on_the_shared_gpu(monkeypatch):
+    import os
+
+    import trl.generation.vllm_generation as generation
+
+    from odc_hf.integrations.vllm_sync import engine_device
+
+    seen = []
+
+    class Recording:
+        def __init__(self, **kwargs):
+            seen.append(os.environ.get("LOCAL_RANK"))
+
+    monkeypatch.setattr(generation, "LLM", Recording, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # TRL's value for the second rank on the node
+    with engine_device(0):
+        generation.LLM(model="m")
+    assert seen == ["0"] and os.environ["LOCAL_RANK"] == "1" and generation.LLM is Recording
+    with engine_device(None):  # one GPU per rank: nothing changes
+        generation.LLM(model="m")
+    assert seen == ["0", "1"]
+
+
+def test_odc_grpo_config_with_vllm_sets_the_environment(tmp_path, monkeypatch):
+    import os
+
+    from odc_hf import ODCGRPOConfig
+
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER"):
+        monkeypatch.delenv(name, raising=False)
+    ODCGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_vllm=False)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ  # only with use_vllm
+    ODCGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", use_vllm=True)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # FlashInfer is not installed here
