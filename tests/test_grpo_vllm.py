@@ -279,27 +279,27 @@ def test_trl_vllm_surfaces_the_sync_relies_on():
     assert "self.vllm_generation.sync_weights()" in turn
 
 
-def test_engine_device_builds_the_engine_on_the_shared_gpu(monkeypatch):
-    import os
+def test_in_the_shared_gpu_mode_the_engine_gets_the_ranks_gpu_as_its_local_rank(monkeypatch):
+    """TRL sets LOCAL_RANK to accelerate's local process index before building vLLM's LLM, and vLLM takes it as its
+    GPU: in the shared-GPU mode that index is the rank's GPU (localize_rank), e.g. 0 for both ranks of one GPU."""
+    import inspect
 
-    import trl.generation.vllm_generation as generation
+    import torch
+    from trl.generation.vllm_generation import VLLMGeneration
 
-    from odc_hf.integrations.vllm_sync import engine_device
+    from odc_hf.integrations import shared_gpu
 
-    seen = []
-
-    class Recording:
-        def __init__(self, **kwargs):
-            seen.append(os.environ.get("LOCAL_RANK"))
-
-    monkeypatch.setattr(generation, "LLM", Recording, raising=False)
-    monkeypatch.setenv("LOCAL_RANK", "1")  # TRL's value for the second rank on the node
-    with engine_device(0):
-        generation.LLM(model="m")
-    assert seen == ["0"] and os.environ["LOCAL_RANK"] == "1" and generation.LLM is Recording
-    with engine_device(None):  # one GPU per rank: nothing changes
-        generation.LLM(model="m")
-    assert seen == ["0", "1"]
+    assert 'os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)' in inspect.getsource(
+        VLLMGeneration._init_vllm)  # TRL 1.16's rule this relies on
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    environ = {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    shared_gpu.localize_rank(environ)
+    assert environ["LOCAL_RANK"] == "0"
+    environ = {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a GPU per rank: unchanged
+    shared_gpu.localize_rank(environ)
+    assert environ["LOCAL_RANK"] == "1"
 
 
 def test_odc_grpo_config_with_vllm_sets_the_environment(tmp_path, monkeypatch):

@@ -47,7 +47,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from odc_hf.balance.padded import padded_microbatch_width, plan_padded
 from odc_hf.balance.planner import PLANNERS
-from odc_hf.integrations import shared_gpu
 from odc_hf.integrations.attention_setup import is_varlen, prepare_attention
 from odc_hf.integrations.grpo_batch import (
     PACKED_KEY,
@@ -65,7 +64,7 @@ from odc_hf.integrations.grpo_metrics import CLIP_EXTREMES, MetricRecorder, Slic
 from odc_hf.integrations.trainer import ODCMixin
 from odc_hf.integrations.trl_config import quiet_upstream_deprecations
 from odc_hf.integrations.trl_version import check_trl
-from odc_hf.integrations.vllm_sync import adopt_generation, engine_device
+from odc_hf.integrations.vllm_sync import adopt_generation
 from odc_hf.integrations.vllm_version import check_vllm, prefer_vllm_environment
 from odc_hf.integrations.vllm_weights import LoraMerge
 
@@ -146,10 +145,10 @@ class _GRPOPart:
         if arguments is not None:  # None: TRL's default GRPOConfig, checked below
             _check_arguments(arguments, arguments.gradient_accumulation_steps,
                              self._odc_argument("peft_config", args, base))  # fmt: skip
-        # ranks sharing a GPU: each rank's engine on that GPU, not on cuda:<local rank> (vllm_sync.engine_device)
-        shared = arguments is not None and arguments.use_vllm and shared_gpu.active()
-        with engine_device(shared_gpu.device().index if shared else None):
-            super().__init__(*args, **kwargs)
+        # Ranks sharing a GPU: TRL sets LOCAL_RANK to accelerate's local process index before it builds each rank's
+        # vLLM engine, and vLLM takes that as the engine's GPU; in the shared-GPU mode that index is the rank's GPU
+        # (shared_gpu.localize_rank), so each engine starts on the GPU its rank computes on.
+        super().__init__(*args, **kwargs)
         check_trl_grpo(self)
         _check_settings(self, self.odc_folded_accumulation)
         if self.use_vllm:  # TRL's engine, ODC's weight sync (odc_hf/integrations/vllm_sync.py)

@@ -15,15 +15,14 @@ engine would otherwise generate from stale weights and nothing would say so.
 Sleep mode (``vllm_enable_sleep_mode``) as TRL runs it: the engine sleeps at level 2 after every generation (weights
 and KV cache freed), so TRL's ``generate`` asks for a sync before the next one; the sync wakes the weights first.
 
-Ranks sharing a GPU (``odc_hf.integrations.shared_gpu``): TRL tells each engine its GPU through ``LOCAL_RANK``, which
-vLLM's external-launcher worker takes as a device index (:func:`engine_device`).
+Ranks sharing a GPU (``odc_hf.integrations.shared_gpu``): TRL tells each engine its GPU through ``LOCAL_RANK`` (the
+accelerator's local process index), which vLLM's external-launcher worker takes as a device index; in that mode the
+index is the rank's GPU (``shared_gpu.localize_rank``), so nothing here changes it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -81,42 +80,6 @@ class ODCWeightSync:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies are asynchronous: time them whole
         self.odc_sync_seconds.append(time.perf_counter() - start)
-
-
-@contextlib.contextmanager
-def engine_device(device_index: int | None):
-    """Build TRL's colocated engine on GPU ``device_index`` where that is not the rank's local rank.
-
-    TRL's ``VLLMGeneration._init_vllm`` sets ``LOCAL_RANK`` to the accelerator's local process index right before it
-    calls vLLM's ``LLM(...)``, and vLLM 0.26's external-launcher worker uses ``LOCAL_RANK`` as the engine's device
-    index (asserting it is below the visible device count). With one GPU per rank the two agree; where ranks share a
-    GPU, local rank 1 would ask for ``cuda:1``. Inside this block TRL's ``LLM`` (the name
-    ``trl.generation.vllm_generation.LLM``, vLLM's class, the one name of TRL's module odc_hf rebinds) builds the engine
-    with ``LOCAL_RANK=device_index`` and puts the variable back afterwards. ``None``: nothing changes.
-    """
-    import trl.generation.vllm_generation as generation
-
-    real = getattr(generation, "LLM", None)
-    if device_index is None or real is None:  # no vLLM: TRL raises its own ImportError
-        yield
-        return
-
-    def build(*args, **kwargs):
-        local_rank = os.environ.get("LOCAL_RANK")
-        os.environ["LOCAL_RANK"] = str(device_index)
-        try:
-            return real(*args, **kwargs)
-        finally:
-            if local_rank is None:
-                os.environ.pop("LOCAL_RANK", None)
-            else:
-                os.environ["LOCAL_RANK"] = local_rank
-
-    generation.LLM = build
-    try:
-        yield
-    finally:
-        generation.LLM = real
 
 
 @functools.cache
