@@ -210,11 +210,12 @@ def _audit(results):
     return [(op, caller) for s, loop, op, caller in events_0 if s == 0 and not loop]
 
 
-ALLGATHER, ALLREDUCE, CLIP = "c10d.allgather_", "c10d.allreduce_", "_c10d_functional.all_reduce"
-# Every step of the trainers, in order; none depends on a rank's microbatch count.
+ALLGATHER, ALLREDUCE = "c10d.allgather_", "c10d.allreduce_"
+# Every step of the trainers, in order; none depends on a rank's microbatch count. Gradient clipping runs none:
+# ODCAccelerator.clip_grad_norm_ sums the local shards' norms at ODC's host barrier (accelerate's DTensor clipping
+# all-reduced the norm with a functional collective, which crashes on gloo with CUDA tensors).
 TRAINER_STEP_END = [
     ALLGATHER,  # odc_hf: the step's per-rank busy / wait / microbatch statistics (ODCMixin._odc_record)
-    CLIP,  # accelerate's clip_grad_norm_ on DTensor gradients: the norm's all-reduce
     ALLGATHER,  # transformers: the logged loss (Trainer._nested_gather)
     ALLGATHER,  # transformers: the logged grad norm (distributed_broadcast_scalars)
 ]

@@ -61,8 +61,8 @@ def test_launch_env_asks_for_it_on_gpu_plans_only():
     assert gpu["PYTORCH_CUDA_ALLOC_CONF"] == VALUE
     kept = launch_env(plan_launch(2, 2), {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
     assert kept["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
-    for gpus in (0, 1):  # CPU ranks: no CUDA allocator to configure
-        assert "PYTORCH_CUDA_ALLOC_CONF" not in launch_env(plan_launch(2, gpus), {})
+    assert launch_env(plan_launch(2, 1), {})["PYTORCH_CUDA_ALLOC_CONF"] == VALUE  # 2 ranks sharing one GPU
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in launch_env(plan_launch(2, 0), {})  # CPU ranks: no CUDA allocator
 
 
 def test_odc_configs_ask_before_the_arguments_start_cuda(monkeypatch, tmp_path):

@@ -214,6 +214,17 @@ def check_rows(spec: UnitSpec, world_size: int, tensor: torch.Tensor, what: str,
     return tensor.view(world_size, numel)
 
 
+def fold_slots(slots: torch.Tensor, rank: int) -> torch.Tensor:
+    """Sum every sender's accumulator slot (``slots[sender]``) into this owner's own one, ``slots[rank]``, in rank
+    order, in place: bit-identical from run to run. Call it between the barrier and the reset, when nobody writes
+    these slots; returns the owner's slot."""
+    own = slots[rank].clone()
+    slots[rank].zero_()
+    for sender in range(slots.shape[0]):
+        slots[rank] += own if sender == rank else slots[sender]
+    return slots[rank]
+
+
 def require_accumulator(spec: UnitSpec, what: str) -> None:
     if spec.gather_only:
         raise ODCError(f"{what} of unit {spec.name!r}: the unit is gather-only (registered with accum_numel=0)")

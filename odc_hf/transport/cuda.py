@@ -35,6 +35,7 @@ from odc_hf.transport.base import (
     UnitBytes,
     UnitSpec,
     check_rows,
+    fold_slots,
     require_accumulator,
 )
 from odc_hf.transport.control import HostControl
@@ -208,11 +209,8 @@ class CudaTransport(Transport):
         slots = u.accumulators[self.rank]
         if not self.deterministic:
             return slots[0]
-        if not u.summed:  # fold every sender's slot into our own, in rank order (as the CPU transport)
-            own = slots[self.rank].clone()
-            slots[self.rank].zero_()
-            for sender in range(self.world_size):
-                slots[self.rank] += own if sender == self.rank else slots[sender]
+        if not u.summed:  # every sender's slot folded into our own, in rank order (as the CPU transport)
+            fold_slots(slots, self.rank)
             u.summed = True
         return slots[self.rank]
 

@@ -20,6 +20,7 @@ from odc_hf.transport.base import (
     UnitBytes,
     UnitSpec,
     check_rows,
+    fold_slots,
     require_accumulator,
 )
 from odc_hf.transport.control import HostControl
@@ -118,10 +119,7 @@ class ShmTransport(Transport):
         require_accumulator(u.spec, "accumulated()")
         slots = u.slots[self.rank]
         if not u.summed:
-            own = slots[self.rank].clone()
-            slots[self.rank].zero_()
-            for sender in range(self.world_size):
-                slots[self.rank] += own if sender == self.rank else slots[sender]
+            fold_slots(slots, self.rank)
             u.summed = True
         return slots[self.rank]
 
