@@ -9,8 +9,8 @@
   (:mod:`odc_hf.integrations.bundle`);
 - :mod:`.pretrained_tokenizer`: Qwen2.5's pretrained tokenizer, offline (the ``test`` extra).
 
-The harness's names are exported here; the data modules import torch, transformers and datasets, so import them
-yourself.
+The harness is exported here (``from odc_hf.testing import run_ranks``); the data modules load torch, transformers
+and datasets when imported, so they are imported by name (``from odc_hf.testing.data import default_tokenizer``).
 """
 
 from odc_hf.testing.ranks import RankOutcome, RanksFailed, cuda_backend, free_port, rank_device, run_ranks
