@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from odc_hf import attention
-    from odc_hf.workloads import QWEN2_5_SHAPES
+    from odc_hf.prediction.workloads import QWEN2_5_SHAPES
 
     device = torch.device("cuda")
     config = Qwen2Config(**QWEN2_5_SHAPES[args.model], tie_word_embeddings=True, use_cache=False,

@@ -163,12 +163,12 @@ def run(size: str, attns: list[str], args: dict) -> dict:
     tiny = args["tiny"]
     device = torch.device("cpu" if tiny else "cuda")
     if tiny:
-        from odc_hf.data import tiny_qwen2_config
+        from odc_hf.testing.data import tiny_qwen2_config
 
         torch.set_num_threads(1)  # a dry run of the code paths, not a measurement
         config = tiny_qwen2_config(512, num_layers=2)
     else:
-        from odc_hf.workloads import qwen2_5_config
+        from odc_hf.prediction.workloads import qwen2_5_config
 
         config = qwen2_5_config(size)
         config.tie_word_embeddings = size in ("0.5B", "1.5B", "3B")

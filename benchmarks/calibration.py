@@ -8,7 +8,7 @@ The path the ODC trainers run (odc_hf/integrations/compute_path.py; docs/perform
 logits), Liger's layer kernels when liger-kernel is installed and the device is CUDA, activation checkpointing as
 ``activation_checkpointing="auto"`` plans it for ``--max-tokens`` on this GPU (``--world-size`` ranks' resident
 state: auto picks for the sharded run it will plan, not for this unsharded copy), the ``--attention`` given. An
-unsharded bf16 copy (random init) runs forward + backward of one random sequence per length (``odc_hf.calibrate``:
+unsharded bf16 copy (random init) runs forward + backward of one random sequence per length (``odc_hf.prediction.calibrate``:
 one warm-up, the median of ``--repeats``); ``max(floor, a + b*s + c*s^2)`` is fitted to the medians.
 
 Writes ``calibration_qwen2.5-<model>_<hw>_<date>_<attention>.json`` under ``--out``: ``lengths``, ``seconds``, the
@@ -49,8 +49,8 @@ def build(args, device):
     from transformers import Qwen2ForCausalLM
 
     import odc_hf.attention  # noqa: F401 - registers "sdpa_varlen"
-    from odc_hf.data import tiny_qwen2_config
-    from odc_hf.workloads import qwen2_5_config
+    from odc_hf.prediction.workloads import qwen2_5_config
+    from odc_hf.testing.data import tiny_qwen2_config
 
     if args.model == "tiny":
         config = tiny_qwen2_config(512, max_position_embeddings=max(2048, args.max_tokens))
@@ -69,9 +69,9 @@ def build(args, device):
 def calibrate_default_path(args) -> dict:
     import torch
 
-    from odc_hf.balance.cluster import ModelShape
-    from odc_hf.calibrate import time_lengths
     from odc_hf.integrations import compute_path as cp
+    from odc_hf.prediction.calibrate import time_lengths
+    from odc_hf.prediction.cluster import ModelShape
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = build(args, device)

@@ -139,11 +139,11 @@ def run_model(size: str, lengths: list[int], args: dict) -> dict:
     tiny = args["tiny"]
     device = torch.device("cpu" if tiny else "cuda")
     if tiny:
-        from odc_hf.data import tiny_qwen2_config
+        from odc_hf.testing.data import tiny_qwen2_config
 
         config = tiny_qwen2_config(512, num_layers=4)
     else:
-        from odc_hf.workloads import qwen2_5_config
+        from odc_hf.prediction.workloads import qwen2_5_config
 
         config = qwen2_5_config(size)
         config.tie_word_embeddings = size in ("0.5B", "1.5B", "3B")  # as the released Qwen2.5 checkpoints

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _shapes() -> dict:
-    """ "tiny" for CPU smoke runs; "1.5b" is Qwen2.5-1.5B from odc_hf.workloads (docs/design.md)."""
-    from odc_hf.workloads import QWEN2_5_SHAPES
+    """ "tiny" for CPU smoke runs; "1.5b" is Qwen2.5-1.5B from odc_hf.prediction.workloads (docs/design.md)."""
+    from odc_hf.prediction.workloads import QWEN2_5_SHAPES
 
     tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=512)  # fmt: skip

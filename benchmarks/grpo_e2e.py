@@ -5,7 +5,7 @@
 
 Training phase (one process group, two model instances with the same random init, interleaved step by step, the
 order alternating): every step draws one GRPO generation batch of synthetic rollouts with AIME-like lengths
-(``odc_hf.workloads.generate_lengths("grpo_aime")``: prompts 100-300 tokens, responses capped at 8k), random
+(``odc_hf.prediction.workloads.generate_lengths("grpo_aime")``: prompts 100-300 tokens, responses capped at 8k), random
 tokens and advantages, and trains it twice on the same samples:
 
 - **fsdp**: FSDP2 collectives as TRL's GRPOTrainer runs them: each rank takes its ``per_device x grad_accum``
@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from odc_hf.run import SAFE_GPU_ENV  # noqa: E402 - after the sys.path setup
+from odc_hf.transport.peer_memory import SAFE_GPU_ENV  # noqa: E402 - after the sys.path setup
 
 for _k, _v in SAFE_GPU_ENV.items():
     os.environ.setdefault(_k, _v)
@@ -92,7 +92,7 @@ def rollouts(step: int, num: int, cap: int, vocab: int, seed: int):
     """``num`` synthetic GRPO samples: (prompt_len, completion_len, token ids, advantage), seeded by step."""
     import numpy as np
 
-    from odc_hf.workloads import generate_lengths
+    from odc_hf.prediction.workloads import generate_lengths
 
     total = generate_lengths("grpo_aime", num, seed * 1000 + step, max_length=cap)
     rng = np.random.default_rng([seed, step])
@@ -212,8 +212,8 @@ def _build(config, device, mp, checkpointing):
 
 def _config(args):
     """The model config and the sequence cap of ``args.model``."""
-    from odc_hf.data import tiny_qwen2_config
-    from odc_hf.workloads import qwen2_5_config
+    from odc_hf.prediction.workloads import qwen2_5_config
+    from odc_hf.testing.data import tiny_qwen2_config
 
     if args.model == "1.5B":
         config = qwen2_5_config("1.5B")

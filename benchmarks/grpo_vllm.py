@@ -9,7 +9,7 @@ split into generation, weight sync, scoring and training.
 
 Both trainers get the same arguments (TRL's defaults plus those below), model, prompts, reward and seed; only the
 trainer class differs (O also takes odc_hf's own defaults: ``ODCGRPOConfig``, ``ODCConfig()``). The model has
-Qwen2.5-1.5B's shape (``odc_hf.workloads.qwen2_5_config``), random weights saved once to a work folder (bf16; vLLM
+Qwen2.5-1.5B's shape (``odc_hf.prediction.workloads.qwen2_5_config``), random weights saved once to a work folder (bf16; vLLM
 builds its engine from it, the trainers load fp32 master weights and train under bf16 autocast). A random model
 almost never samples EOS (1 in 151,936), so vLLM's sampling gets a logit bias on EOS (``--eos_bias``, through TRL's
 ``generation_kwargs``): per-token EOS odds of about 1 in 1,000, so completion lengths spread from a few tokens to the
@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import grpo_vllm_report  # noqa: E402
 import report  # noqa: E402
 
-from odc_hf.run import SAFE_GPU_ENV  # noqa: E402
+from odc_hf.transport.peer_memory import SAFE_GPU_ENV  # noqa: E402
 
 for _k, _v in SAFE_GPU_ENV.items():
     os.environ.setdefault(_k, _v)
@@ -117,8 +117,8 @@ def make_model(args, work: Path) -> Path:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
-    from odc_hf.workloads import qwen2_5_config
+    from odc_hf.prediction.workloads import qwen2_5_config
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     path = work / f"model_{args.model}"
     tokenizer = default_tokenizer()
@@ -142,7 +142,7 @@ def prompts(tokenizer, num: int, seed: int, low: int, high: int):
 
     from datasets import Dataset
 
-    from odc_hf.data import default_documents
+    from odc_hf.testing.data import default_documents
 
     rng = random.Random(seed)
     rows = []

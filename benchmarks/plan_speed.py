@@ -27,7 +27,7 @@ from report import RESULTS, env_markdown, environment, today, write  # noqa: E40
 
 from odc_hf.balance.cost import FlopCostModel  # noqa: E402
 from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini, plan_none  # noqa: E402
-from odc_hf.workloads import DEFAULT_MAX_LENGTH, WORKLOADS, generate_lengths, qwen2_5_config  # noqa: E402
+from odc_hf.prediction.workloads import DEFAULT_MAX_LENGTH, WORKLOADS, generate_lengths, qwen2_5_config  # noqa: E402
 
 PLANNERS = {"lb_mini": plan_lb_mini, "lb_micro": plan_lb_micro, "none": plan_none}
 

@@ -64,7 +64,7 @@ def step_lengths(args, workload: str, per_rank: int, world_size: int, num_steps:
     """Per step, the lengths of the global minibatch (same for every variant)."""
     import numpy as np
 
-    from odc_hf.workloads import generate_lengths
+    from odc_hf.prediction.workloads import generate_lengths
 
     size = world_size * per_rank
     if workload == "balanced":
@@ -120,8 +120,8 @@ def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants, 
         elif v == "H":
             import numpy as np
 
-            from odc_hf.balance.lockstep import lockstep_cost_matrix
-            from odc_hf.hf_rebalance import rebalance_plan
+            from odc_hf.prediction.batch_rebalance import rebalance_plan
+            from odc_hf.prediction.lockstep import lockstep_cost_matrix
 
             clipped = np.minimum(np.asarray(lengths), budget)
             rows = rebalance_plan(clipped, world_size, hf_grad_accum)
@@ -524,7 +524,7 @@ def simulate_scaling(
     """
     from odc_hf.balance.cost import QuadraticCostModel
     from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
-    from odc_hf.workloads import generate_lengths
+    from odc_hf.prediction.workloads import generate_lengths
 
     cal = coefficients or payload["calibration"]
     cost_model = QuadraticCostModel.from_dict(cal)
@@ -825,7 +825,7 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--model", default="1.5B", help="tiny, or a Qwen2.5 size from odc_hf.workloads (1.5B, 7B, ...)"
+        "--model", default="1.5B", help="tiny, or a Qwen2.5 size from odc_hf.prediction.workloads (1.5B, 7B, ...)"
     )
     parser.add_argument("--workloads", default="longalign,balanced,swe_smith,tulu")
     parser.add_argument(

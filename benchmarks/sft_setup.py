@@ -13,8 +13,8 @@ import time
 def model_config(args):
     """Qwen2.5-shaped config (or odc_hf's tiny one for CPU runs) with per-document attention on packed rows."""
     from odc_hf.attention import VARLEN_ATTENTION
-    from odc_hf.data import tiny_qwen2_config
-    from odc_hf.workloads import qwen2_5_config
+    from odc_hf.prediction.workloads import qwen2_5_config
+    from odc_hf.testing.data import tiny_qwen2_config
 
     max_positions = max(32768, args.max_tokens)
     if args.model == "tiny":
@@ -52,7 +52,7 @@ def calibrate_cost_model(rank, world_size, args, device, config, kernels="none",
     from transformers import Qwen2ForCausalLM
 
     from odc_hf.balance.cost import QuadraticCostModel
-    from odc_hf.calibrate import time_lengths
+    from odc_hf.prediction.calibrate import time_lengths
 
     grid = sorted({min(s, args.max_tokens) for s in args.calibration_lengths})
     torch.manual_seed(0)

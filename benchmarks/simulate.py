@@ -25,7 +25,13 @@ from report import RESULTS, env_markdown, environment, today, write
 
 from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel
 from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini, plan_none
-from odc_hf.workloads import DEFAULT_MAX_LENGTH, QWEN2_5_SHAPES, WORKLOADS, generate_lengths, qwen2_5_config
+from odc_hf.prediction.workloads import (
+    DEFAULT_MAX_LENGTH,
+    QWEN2_5_SHAPES,
+    WORKLOADS,
+    generate_lengths,
+    qwen2_5_config,
+)
 
 SPEEDUPS = {  # name: (baseline, candidate) as (planner, semantics)
     "lb_mini_odc_vs_lb_micro_fsdp": (("lb_micro", "fsdp"), ("lb_mini", "odc")),
@@ -289,7 +295,7 @@ def main(argv=None) -> None:
         "workload": args.workload,
         "seed": args.seed,
         "num_minibatches": args.num_minibatches,
-        "generator": f"odc_hf.workloads.generate_lengths({args.workload!r}, n, seed={args.seed})",
+        "generator": f"odc_hf.prediction.workloads.generate_lengths({args.workload!r}, n, seed={args.seed})",
         "cost_model": cost_model.describe(),
     }
     stem = f"simulate_{args.workload}_{cost_name}{args.tag}_{today()}"

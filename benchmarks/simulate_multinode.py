@@ -2,7 +2,7 @@
 
 Run through ``benchmarks/simulate.py multinode`` (a module of that script, not a script of its own; the single-node
 sweeps of simulate.py are unchanged). The
-step-time model is the library's (:mod:`odc_hf.balance.cluster`, :mod:`odc_hf.balance.simulate`): planned
+step-time model is the library's (:mod:`odc_hf.prediction.cluster`, :mod:`odc_hf.prediction.simulate`): planned
 compute under the calibrated H200 cost model, inter-node communication exposed past compute, per-step
 overheads measured on 2 x H200. Writes one markdown report, one JSON and one PNG under benchmarks/results/.
 
@@ -18,10 +18,11 @@ from pathlib import Path
 
 from report import RESULTS, env_markdown, environment, today, write
 
-from odc_hf.balance import cluster as cluster_model
-from odc_hf.balance.cluster import Cluster, ModelShape, sharded_state_bytes
-from odc_hf.balance.simulate import h200_overheads, load_cost_model, plan_steps, step_times, summarize
-from odc_hf.workloads import generate_lengths, qwen2_5_config
+from odc_hf.prediction import cluster as cluster_model
+from odc_hf.prediction.cluster import Cluster, ModelShape, sharded_state_bytes
+from odc_hf.prediction.cost_models import h200_overheads, load_cost_model
+from odc_hf.prediction.simulate import plan_steps, step_times, summarize
+from odc_hf.prediction.workloads import generate_lengths, qwen2_5_config
 
 TIED = {"1.5B"}  # Qwen2.5-1.5B ties its embeddings
 
@@ -197,7 +198,7 @@ def main(argv=None) -> None:
         "models": args.models, "workloads": args.workloads, "per_rank": args.per_rank, "gpus": args.gpus,
         "gpus_per_node": args.gpus_per_node, "network_gb_per_s": args.network_gb_per_s,
         "max_tokens": args.max_tokens, "num_minibatches": args.num_minibatches, "seed": args.seed,
-        "generator": f"odc_hf.workloads.generate_lengths(workload, n, seed={args.seed}, max_length={args.max_tokens})",
+        "generator": f"odc_hf.prediction.workloads.generate_lengths(workload, n, seed={args.seed}, max_length={args.max_tokens})",
         "cost_models": cost_models, "step_overheads": h200_overheads().source,
     }  # fmt: skip
     stem = f"simulate_multinode_h200_{today()}" + (f"_{args.tag}" if args.tag else "")
@@ -207,7 +208,7 @@ def main(argv=None) -> None:
         "# Multi-node predictions: ODC-HSDP vs FSDP2-HSDP vs FSDP2 full sharding (calibrated H200 model)",
         "", env_markdown(env).rstrip(), *(f"- {k}: `{v}`" for k, v in setup.items()), "",
         "Predicted, not measured (one node of 2 GPUs is the largest measured setup). Model "
-        "(`odc_hf/balance/cluster.py`, `odc_hf/balance/simulate.py`): compute = the planners' cost of each "
+        "(`odc_hf/prediction/cluster.py`, `odc_hf/prediction/simulate.py`): compute = the planners' cost of each "
         "global minibatch, balanced over all GPUs (LB-Mini for ODC, LB-Micro for FSDP2); plus inter-node "
         "communication left exposed; plus the per-step overheads measured on 2 x H200, per parameter held. "
         "Step times are means over the minibatches, speedups ratios of summed times. Assumptions:", "",

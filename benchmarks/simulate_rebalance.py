@@ -2,11 +2,11 @@
 
 Run through ``benchmarks/simulate.py rebalance`` (a module of that script). For each workload and number of GPUs it
 plans the same global minibatches three ways and prices them with the library's step-time model
-(:mod:`odc_hf.balance.simulate`, calibrated H200 cost model scaled to the model by FLOPs, 8 GPUs per node, HSDP or
+(:mod:`odc_hf.prediction.simulate`, calibrated H200 cost model scaled to the model by FLOPs, 8 GPUs per node, HSDP or
 full sharding for FSDP2, whichever is faster):
 
 - **FSDP2 + batch_rebalance**: ``TrainingArguments(train_sampling_strategy="batch_rebalance")``; transformers' own
-  sampler plans (:mod:`odc_hf.hf_rebalance` runs it), microbatches padded as TRL's default collator pads them;
+  sampler plans (:mod:`odc_hf.prediction.batch_rebalance` runs it), microbatches padded as TRL's default collator pads them;
 - **FSDP2 + LB-Micro**: odc_hf's FSDP2-compatible planner (equal microbatch counts, packed, token budget);
 - **ODC + LB-Mini**: ODC (one sync per minibatch), packed.
 
@@ -29,12 +29,13 @@ from pathlib import Path
 import numpy as np
 from report import RESULTS, env_markdown, environment, today, write
 
-from odc_hf.balance.cluster import Cluster, ModelShape
-from odc_hf.balance.lockstep import lockstep_cost_matrix, padded_tokens, padding_waste
 from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
-from odc_hf.balance.simulate import h200_overheads, load_cost_model, plan_steps, step_times, summarize
-from odc_hf.hf_rebalance import quadratic_coefficient, rebalance_plan
-from odc_hf.workloads import DEFAULT_MAX_LENGTH, WORKLOADS, generate_lengths, qwen2_5_config
+from odc_hf.prediction.batch_rebalance import quadratic_coefficient, rebalance_plan
+from odc_hf.prediction.cluster import Cluster, ModelShape
+from odc_hf.prediction.cost_models import h200_overheads, load_cost_model
+from odc_hf.prediction.lockstep import lockstep_cost_matrix, padded_tokens, padding_waste
+from odc_hf.prediction.simulate import plan_steps, step_times, summarize
+from odc_hf.prediction.workloads import DEFAULT_MAX_LENGTH, WORKLOADS, generate_lengths, qwen2_5_config
 
 
 def shape_of(size: str) -> ModelShape:

@@ -8,7 +8,7 @@
 
 Every variant trains the SAME samples in the SAME order, one step = one group of samples:
 
-- the samples: seeded synthetic lengths (``odc_hf.workloads``: LongAlign-like up to 32k, Tulu-like), random tokens;
+- the samples: seeded synthetic lengths (``odc_hf.prediction.workloads``: LongAlign-like up to 32k, Tulu-like), random tokens;
 - TRL packs them with its default strategy (``pack_dataset(..., "bfd")``, what ``SFTConfig(packing=True)`` does);
   (T) trains those packed rows in a seeded order, ``gradient_accumulation_steps`` rows per step; the ODC trainer
   gets, per step, exactly the samples of those rows (``odc_sampler_class`` with fixed groups) and packs them into
@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks import report  # noqa: E402
 from odc_hf.integrations import cuda_allocator  # noqa: E402
-from odc_hf.run import SAFE_GPU_ENV  # noqa: E402
+from odc_hf.transport.peer_memory import SAFE_GPU_ENV  # noqa: E402
 
 for _k, _v in SAFE_GPU_ENV.items():
     os.environ.setdefault(_k, _v)
@@ -142,7 +142,7 @@ def liger_available() -> bool:
 
 
 def tokenizer():
-    from odc_hf.data import default_tokenizer
+    from odc_hf.testing.data import default_tokenizer
 
     return default_tokenizer()
 
@@ -153,8 +153,8 @@ def model(args, attention: str):
     from transformers import Qwen2ForCausalLM
 
     import odc_hf.attention  # noqa: F401 - registers "sdpa_varlen"
-    from odc_hf.data import tiny_qwen2_model
-    from odc_hf.workloads import qwen2_5_config
+    from odc_hf.prediction.workloads import qwen2_5_config
+    from odc_hf.testing.data import tiny_qwen2_model
 
     if args.model == "tiny":
         m = tiny_qwen2_model(tokenizer(), seed=args.seed, max_position_embeddings=65536)
@@ -171,7 +171,7 @@ def model(args, attention: str):
 def samples(workload: str, max_length: int, num: int, seed: int, vocab: int) -> list[list[int]]:
     import numpy as np
 
-    from odc_hf.workloads import generate_lengths
+    from odc_hf.prediction.workloads import generate_lengths
 
     lengths = generate_lengths(workload, num, seed, max_length=max_length)
     rng = np.random.default_rng(seed)

@@ -49,7 +49,7 @@ def launch(script: str, out: Path, *args, mixed_precision: str = "no", timeout: 
     The full output goes to ``out/log.txt``."""
     import torch
 
-    from odc_hf.run import SAFE_GPU_ENV
+    from odc_hf.transport.peer_memory import SAFE_GPU_ENV
 
     out.mkdir(parents=True, exist_ok=True)
     args = [*map(str, args), "--output_dir", str(out), "--losses_json", str(out / "losses.json")]

@@ -128,7 +128,7 @@ def fixed_rollouts(tokenizer, max_completion_length: int):
 def build_model(args, tokenizer, output_dir: Path):
     """The policy: a hub id / local path, or the tiny offline model. With ``--beta`` TRL builds the reference model
     from the policy's path, so the tiny model is saved to disk and passed by path."""
-    from odc_hf.data import TINY_HEAD_DIM_64, tiny_qwen2_model
+    from odc_hf.testing.data import TINY_HEAD_DIM_64, tiny_qwen2_model
 
     if args.model_name_or_path:
         return args.model_name_or_path
@@ -198,7 +198,7 @@ def train_one(args, loss_type: str, tokenizer, dataset):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from odc_hf.data import default_tokenizer
+    from odc_hf.testing.data import default_tokenizer
 
     if args.model_name_or_path:
         from transformers import AutoTokenizer
@@ -225,7 +225,7 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     parse_args()  # --help and bad flags are answered here, once, before any process is launched
-    from odc_hf.run import relaunch_if_needed
+    from odc_hf.integrations.relaunch import relaunch_if_needed
 
     relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs",
                        processes=parse_args().num_processes)  # fmt: skip

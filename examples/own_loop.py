@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 
 from odc_hf import ODCAccelerator, ODCConfig, ODCFSDPPlugin
 from odc_hf.balance import FlopCostModel, ODCBatchSampler
-from odc_hf.data import default_tokenized_dataset, default_tokenizer, tiny_qwen2_model
 from odc_hf.integrations.bundle import BundleCollator, BundleDataset
+from odc_hf.testing.data import default_tokenized_dataset, default_tokenizer, tiny_qwen2_model
 
 
 def train(*, num_samples=64, minibatch_size=16, max_tokens_per_microbatch=1024, max_steps=None, lr=1e-3):

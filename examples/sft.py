@@ -11,7 +11,7 @@
 
 Defaults need no network: a tiny Qwen2-architecture model built from a config, a byte-level BPE trained on the
 Python standard library's sources, and those sources as documents (a naturally long-tailed length mix).
-``--workload longalign|swe_smith|tulu`` instead draws synthetic sample lengths from odc_hf.workloads (random
+``--workload longalign|swe_smith|tulu`` instead draws synthetic sample lengths from odc_hf.prediction.workloads (random
 tokens: throughput needs no real text). Prints a summary (loss, tokens/s, bubble rate) at the end.
 """
 
@@ -93,8 +93,8 @@ def build_model(args, tokenizer):
     from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
     import odc_hf.attention  # noqa: F401 - registers "sdpa_varlen"
-    from odc_hf.data import tiny_qwen2_model
-    from odc_hf.workloads import qwen2_5_config
+    from odc_hf.prediction.workloads import qwen2_5_config
+    from odc_hf.testing.data import tiny_qwen2_model
 
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(
@@ -144,8 +144,8 @@ def peak_memory_gib(trainer) -> list[float] | None:
 def build_dataset(args, tokenizer, vocab_size: int):
     from datasets import Dataset, load_dataset
 
-    from odc_hf.data import default_text_dataset
-    from odc_hf.workloads import generate_lengths
+    from odc_hf.prediction.workloads import generate_lengths
+    from odc_hf.testing.data import default_text_dataset
 
     if args.dataset_name:
         return load_dataset(args.dataset_name, split="train").select(range(args.num_samples))
@@ -163,7 +163,7 @@ def main(argv=None):
     """Train as the arguments say; returns the trainer."""
     args = parse_args(argv)
     from odc_hf import ODCConfig, ODCSFTConfig, ODCSFTTrainer
-    from odc_hf.data import default_tokenizer
+    from odc_hf.testing.data import default_tokenizer
 
     tokenizer = default_tokenizer() if not args.model_name_or_path else None
     if tokenizer is None:
@@ -227,7 +227,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     parse_args()  # --help and bad flags are answered here, once, before any process is launched
-    from odc_hf.run import relaunch_if_needed
+    from odc_hf.integrations.relaunch import relaunch_if_needed
 
     relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs",
                        processes=parse_args().num_processes)  # fmt: skip

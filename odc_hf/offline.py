@@ -10,26 +10,11 @@ machine without network, then e.g. ``trl.scripts.sft`` through ``python -m odc_h
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from odc_hf.testing.recipes import write_model_and_data
 
-def write_model_and_data(directory, rows: list[dict] | None = None, *, tokenizer=None, num_rows: int = 64,
-                         **config_kwargs) -> tuple[Path, Path]:  # fmt: skip
-    """Write ``directory/model`` (the tiny Qwen2 model sized to ``tokenizer`` and the tokenizer; default: the embedded
-    ``odc_hf.data.default_tokenizer()``) and ``directory/data/train.jsonl`` (``rows``, one JSON object a line; default:
-    ``num_rows`` conversations of ``odc_hf.data.default_conversations``). Returns both folders. ``config_kwargs`` go
-    to the model's config (e.g. ``tie_word_embeddings=False``)."""
-    from odc_hf.data import default_conversations, default_tokenizer, tiny_qwen2_model
-
-    model_dir, data_dir = Path(directory) / "model", Path(directory) / "data"
-    tokenizer = tokenizer if tokenizer is not None else default_tokenizer()
-    rows = rows if rows is not None else default_conversations(num_rows, max_chars=600)
-    tiny_qwen2_model(tokenizer, **config_kwargs).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return model_dir, data_dir
+__all__ = ["main"]
 
 
 def main(argv=None) -> None:

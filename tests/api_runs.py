@@ -32,7 +32,7 @@ LABEL_SMOOTHING = 0.1
 
 def _model_and_data(attn: str):
     import odc_hf.attention  # noqa: F401 - registers attn_implementation="sdpa_varlen"
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     model = tiny_qwen2_model(tokenizer, seed=sft_runs.SEED)

@@ -12,7 +12,7 @@ VOCAB = 256
 def tiny_qwen2(seed: int = 0, *, tie: bool = True, layers: int = 2):
     from transformers import Qwen2ForCausalLM
 
-    from odc_hf.data import tiny_qwen2_config
+    from odc_hf.testing.data import tiny_qwen2_config
 
     config = tiny_qwen2_config(VOCAB, num_layers=layers, tie_word_embeddings=tie, attn_implementation="sdpa")
     torch.manual_seed(seed)

@@ -33,7 +33,7 @@ def _lora():
 
 def _model(tokenizer, attn: str, head_dim: int | None):
     import odc_hf.attention  # noqa: F401 - registers "sdpa_varlen"
-    from odc_hf.data import TINY_HEAD_DIM_64, tiny_qwen2_model
+    from odc_hf.testing.data import TINY_HEAD_DIM_64, tiny_qwen2_model
 
     wide = TINY_HEAD_DIM_64 if head_dim == 64 else {}  # what FlashAttention-4 takes (the default tiny model has 16)
     if head_dim not in (None, 64):
@@ -47,7 +47,7 @@ def run(trainer_name: str, out: Path, *, attn: str, bf16: bool, peft: bool, save
         head_dim: int | None = None, zero_rank_first_step: bool = False):
     import torch
 
-    from odc_hf.data import default_tokenizer
+    from odc_hf.testing.data import default_tokenizer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 under `accelerate launch` (ranks may share the GPU)
     tokenizer = default_tokenizer()

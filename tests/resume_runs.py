@@ -46,7 +46,7 @@ def train(rank, world, out, *, resume=None, save_steps=0, save_total_limit=None,
     from trl import SFTConfig
 
     from odc_hf import ODCConfig, ODCSFTTrainer
-    from odc_hf.data import default_tokenized_dataset, default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenized_dataset, default_tokenizer, tiny_qwen2_model
 
     class Trainer(ODCSFTTrainer):
         def _save_optimizer_and_scheduler(self, output_dir):

@@ -34,7 +34,7 @@ def dataset(tokenizer):
     """The offline default text (Python standard library sources), cut to <= 768 tokens: real text, so per-sample
     losses differ and fall as the model learns (random tokens would all cost ln(vocab)); with the 1024-token
     budget LB-Mini packs 2-4 microbatches per rank on 2 ranks (1-4 on 4), unevenly on some steps."""
-    from odc_hf.data import default_tokenized_dataset
+    from odc_hf.testing.data import default_tokenized_dataset
 
     return default_tokenized_dataset(tokenizer, NUM_SAMPLES, max_length=MAX_LENGTH, seed=SEED)
 
@@ -119,7 +119,7 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
     import os
 
     from odc_hf import ODCConfig, ODCSFTTrainer
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     world = int(os.environ["WORLD_SIZE"])  # set by accelerate launch
     assert MINIBATCH % world == 0, world
@@ -156,7 +156,7 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
 def run_trl(out: Path, *, save_steps: int) -> dict:
     from trl import SFTTrainer
 
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     model = tiny_qwen2_model(tokenizer, seed=SEED)

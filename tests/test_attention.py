@@ -6,7 +6,7 @@ from transformers import Qwen2ForCausalLM
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from odc_hf.attention import VARLEN_ATTENTION, document_bounds
-from odc_hf.data import tiny_qwen2_config
+from odc_hf.testing.data import tiny_qwen2_config
 
 
 def _model(attn: str) -> Qwen2ForCausalLM:

@@ -13,7 +13,6 @@ from transformers import Qwen2ForCausalLM
 
 from odc_hf.attention import VARLEN_ATTENTION
 from odc_hf.config import ODCConfig
-from odc_hf.data import tiny_qwen2_config
 from odc_hf.integrations import attention_setup
 from odc_hf.integrations.attention_setup import (
     FLASH_ATTENTION_4,
@@ -21,6 +20,7 @@ from odc_hf.integrations.attention_setup import (
     fa4_problem,
     resolve_attention,
 )
+from odc_hf.testing.data import tiny_qwen2_config
 
 FLASH_MODEL = SimpleNamespace(_supports_flash_attn=True)
 

@@ -23,9 +23,9 @@ def test_fa4_loss_and_gradients_equal_sdpa_varlen_on_packed_rows():
     from transformers import Qwen2ForCausalLM
 
     from odc_hf.attention import VARLEN_ATTENTION
-    from odc_hf.data import tiny_qwen2_config
     from odc_hf.integrations.attention_setup import resolve_attention
     from odc_hf.integrations.bundle import BundleCollator
+    from odc_hf.testing.data import tiny_qwen2_config
 
     # head_dim 128 and GQA 12/2 as Qwen2.5-1.5B (FA4's kernels are built for such heads), 2 layers
     config = tiny_qwen2_config(1024, hidden_size=1536, num_layers=2, intermediate_size=2048, num_heads=12,

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel, TokenCostModel
-from odc_hf.calibrate import calibrate
-from odc_hf.workloads import qwen2_5_config
+from odc_hf.prediction.calibrate import calibrate
+from odc_hf.prediction.workloads import qwen2_5_config
 
 
 @pytest.mark.parametrize(
@@ -122,9 +122,9 @@ def test_calibrate_times_a_tiny_model_on_cpu(one_torch_thread, monkeypatch):
 
     from transformers import Qwen2ForCausalLM
 
-    import odc_hf.calibrate
-    from odc_hf.calibrate import time_lengths
-    from odc_hf.data import tiny_qwen2_config
+    import odc_hf.prediction.calibrate
+    from odc_hf.prediction.calibrate import time_lengths
+    from odc_hf.testing.data import tiny_qwen2_config
 
     torch.manual_seed(0)
     config = tiny_qwen2_config(128)
@@ -138,7 +138,7 @@ def test_calibrate_times_a_tiny_model_on_cpu(one_torch_thread, monkeypatch):
     assert all(p.grad is None for p in model.parameters())
     # CPU timings differ from call to call: what calibrate returns is checked as the fit of the timings it measured
     # (the timings replaced by the ones above), not against fixed numbers.
-    monkeypatch.setattr(odc_hf.calibrate, "time_lengths", lambda *args, **kwargs: seconds)
+    monkeypatch.setattr(odc_hf.prediction.calibrate, "time_lengths", lambda *args, **kwargs: seconds)
     assert calibrate(model, lengths, repeats=1).to_dict() == QuadraticCostModel.fit(lengths, seconds).to_dict()
 
 

@@ -4,7 +4,7 @@ import numpy as np
 
 from odc_hf.balance.cost import FlopCostModel
 from odc_hf.balance.planner import plan_lb_mini
-from odc_hf.workloads import generate_lengths, qwen2_5_config
+from odc_hf.prediction.workloads import generate_lengths, qwen2_5_config
 
 
 def test_lb_mini_is_within_five_percent_of_the_bound_on_longalign_like_minibatches():

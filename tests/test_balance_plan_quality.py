@@ -13,7 +13,7 @@ from odc_hf.balance.planner import (
     plan_lb_micro,
     plan_lb_mini,
 )
-from odc_hf.workloads import DEFAULT_MAX_LENGTH, generate_lengths, qwen2_5_config
+from odc_hf.prediction.workloads import DEFAULT_MAX_LENGTH, generate_lengths, qwen2_5_config
 
 # "cost model/workload/ranks/samples/seed": (LB-Mini ODC time, LB-Micro FSDP time, LB-Micro ODC time), computed by
 # the implementation before issue 30's speed-up

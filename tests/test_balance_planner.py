@@ -14,7 +14,7 @@ from odc_hf.balance.planner import (
     plan_lb_mini,
     plan_none,
 )
-from odc_hf.workloads import qwen2_5_config
+from odc_hf.prediction.workloads import qwen2_5_config
 
 COST_MODELS = {
     "flop": FlopCostModel.from_config(qwen2_5_config("1.5B")),
@@ -83,7 +83,7 @@ import json, sys
 import numpy as np
 from odc_hf.balance.cost import FlopCostModel
 from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini, plan_none
-from odc_hf.workloads import qwen2_5_config
+from odc_hf.prediction.workloads import qwen2_5_config
 lengths, world, budget = json.loads(sys.argv[1])
 model = FlopCostModel.from_config(qwen2_5_config("1.5B"))
 print(json.dumps([p(np.array(lengths), world, budget, model).microbatches for p in (plan_lb_mini, plan_lb_micro, plan_none)]))

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from odc_hf.balance.cost import FlopCostModel
 from odc_hf.balance.sampler import ODCBatchSampler
-from odc_hf.workloads import qwen2_5_config
+from odc_hf.prediction.workloads import qwen2_5_config
 
 BUDGET = 8192
 

@@ -71,7 +71,7 @@ def test_dataloader_yields_one_bundle_per_step():
 def test_packed_logits_equal_each_document_run_alone(attn_implementation, one_torch_thread):
     from transformers import Qwen2ForCausalLM
 
-    from odc_hf.data import tiny_qwen2_config
+    from odc_hf.testing.data import tiny_qwen2_config
 
     torch.manual_seed(0)
     config = tiny_qwen2_config(128, attn_implementation=attn_implementation)

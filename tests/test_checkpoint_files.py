@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     from trl import SFTConfig, SFTTrainer
 
     from odc_hf import ODCConfig, ODCSFTTrainer
-    from odc_hf.data import default_text_dataset, default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_text_dataset, default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     for kind in ("trl", "odc"):

@@ -131,7 +131,7 @@ def _sft_rank(rank, world, output_dir, use_peft):
     from trl import SFTConfig
 
     from odc_hf import ODCSFTTrainer
-    from odc_hf.data import default_documents, default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_documents, default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     log = _collective_log()
@@ -154,8 +154,8 @@ def _grpo_rank(rank, world, output_dir, use_peft):
     from trl import GRPOConfig
 
     from odc_hf import ODCConfig
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
     from odc_hf.integrations.grpo import __getattr__ as grpo_lazy
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     tokenizer.padding_side = "left"

@@ -233,8 +233,8 @@ def test_odc_sft_trainer_replaces_trl_default_checkpointing_with_auto(tmp_path):
     from datasets import Dataset
     from trl import SFTConfig
 
-    from odc_hf.data import default_tokenizer
     from odc_hf.integrations.trl import ODCSFTTrainer
+    from odc_hf.testing.data import default_tokenizer
 
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
     assert args.gradient_checkpointing  # TRL's default

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from odc_hf.integrations import cuda_allocator
-from odc_hf.run import launch_env, plan_launch
+from odc_hf.integrations.relaunch import launch_env, plan_launch
 
 VALUE = "expandable_segments:True"
 

@@ -1,4 +1,4 @@
-"""Offline default data (odc_hf.data): stdlib documents, a cached BPE tokenizer, datasets, a tiny Qwen2."""
+"""Offline default data (odc_hf.testing.data): stdlib documents, a cached BPE tokenizer, datasets, a tiny Qwen2."""
 
 import socket
 import statistics
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from odc_hf import data
+from odc_hf.testing import data
 
 VOCAB = 1024  # small vocab: the same training text, a little faster, and what the tests check still holds
 
@@ -17,7 +17,7 @@ def no_network():
     """Everything here must work on a machine with no network: any connection attempt fails the test."""
 
     def refuse(*args, **kwargs):
-        raise OSError("odc_hf.data tried to use the network")
+        raise OSError("odc_hf.testing.data tried to use the network")
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")

@@ -29,7 +29,7 @@ def _sft_trainer(tmp_path, texts: list[str]):
     from datasets import Dataset
 
     from odc_hf import ODCSFTConfig, ODCSFTTrainer
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     args = ODCSFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, use_cpu=True,
@@ -46,7 +46,7 @@ def test_an_empty_dataset_on_the_sft_path_is_named(tmp_path, cpu):
     from transformers import TrainingArguments
 
     from odc_hf import ODCTrainer
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=r"^train_dataset is empty"):

@@ -60,8 +60,8 @@ def test_odc_keys_in_an_fsdp_config_are_refused_with_where_they_go(tmp_path, mon
     from transformers import TrainingArguments
 
     from odc_hf import ODCTrainer
-    from odc_hf.data import default_tokenized_dataset, default_tokenizer, tiny_qwen2_model
     from odc_hf.integrations.launch_config import check_fsdp_config
+    from odc_hf.testing.data import default_tokenized_dataset, default_tokenizer, tiny_qwen2_model
 
     check_fsdp_config({"version": 2, "reshard_after_forward": True}, "x")  # accelerate's own keys: fine
     with pytest.raises(ValueError, match=r"'fsdp_odc_balance', which accelerate ignores.*ODC_BALANCE="):

@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from odc_hf.balance.cluster import Cluster
-from odc_hf.balance.simulate import h200_overheads, load_cost_model, plan_steps, step_times, summarize
-from odc_hf.estimate import MIN_VERDICT_STEPS, model_shape, run, verdict
-from odc_hf.estimate_data import EstimateError
+from odc_hf.prediction.cluster import Cluster
+from odc_hf.prediction.cost_models import h200_overheads, load_cost_model
+from odc_hf.prediction.estimate import MIN_VERDICT_STEPS, verdict
+from odc_hf.prediction.estimate_cli import run
+from odc_hf.prediction.estimate_inputs import EstimateError, model_shape
+from odc_hf.prediction.simulate import plan_steps, step_times, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(
@@ -43,7 +45,7 @@ def parse(stdout: str) -> list[dict[str, tuple]]:
 
 def expected(lengths, *, per_rank, budget, gpus_per_node, nodes, model="1.5B", grad_accum=None):
     """The simulation core's numbers; with ``grad_accum``, transformers' batch_rebalance plans (its own code)."""
-    from odc_hf.hf_rebalance import rebalance_plan
+    from odc_hf.prediction.batch_rebalance import rebalance_plan
 
     shape = model_shape(model)
     cost_model, _ = load_cost_model("h200", shape)
@@ -82,7 +84,7 @@ def test_lengths_file_end_to_end(tmp_path):
     stdout = run_cli(*args)
     single, multi = parse(stdout)
     want = expected(lengths, per_rank=4, budget=16384, gpus_per_node=4, nodes=2, grad_accum=2)
-    from odc_hf import hf_rebalance
+    from odc_hf.prediction import batch_rebalance as hf_rebalance
 
     today = hf_rebalance.available()
     hf = {"rebalance_hsdp": "FSDP2 + batch_rebalance (today)"} if today[0] else {}
@@ -105,7 +107,7 @@ def test_lengths_file_end_to_end(tmp_path):
 
 
 def test_local_jsonl_with_the_default_tokenizer(tmp_path):
-    from odc_hf.data import default_documents, default_tokenizer
+    from odc_hf.testing.data import default_documents, default_tokenizer
 
     docs = [d[:6000] for d in default_documents(48, seed=1)]
     path = tmp_path / "train.jsonl"
@@ -150,7 +152,7 @@ def test_verdict_states_steps_and_spread_and_refuses_what_it_cannot_support():
     GPUs gave a verdict with no caveat)."""
     lengths = np.random.default_rng(5).lognormal(np.log(12000), 0.7, 8 * 4 * 12).astype(np.int64) + 1
     base = dict(gpus_per_node=8, num_nodes=1, network_gb_per_s=50.0, per_rank=4, max_tokens=int(lengths.max()))
-    from odc_hf.estimate import estimate
+    from odc_hf.prediction.estimate import estimate
 
     shape = model_shape("7B")
     cost_model, _ = load_cost_model("h200", shape)
@@ -177,7 +179,7 @@ def test_help_is_fast():
     took = time.perf_counter() - start
     assert done.returncode == 0 and "--rebalance-max-steps" in done.stdout
     assert took < 2.0, f"--help took {took:.2f} s"
-    probe = subprocess.run([sys.executable, "-c", "import sys, odc_hf.estimate as e; e.build_parser(); "
+    probe = subprocess.run([sys.executable, "-c", "import sys, odc_hf.prediction.estimate_cli as e; e.build_parser(); "
                             "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))"],
                            capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr
@@ -198,7 +200,7 @@ def test_help_shows_every_default():
     the estimate to learn what it assumed."""
     import argparse
 
-    from odc_hf.estimate import build_parser
+    from odc_hf.prediction.estimate_cli import build_parser
 
     parser = build_parser()
     text = " ".join(parser.format_help().split())  # argparse wraps lines

@@ -22,7 +22,7 @@ def _model(tie: bool, dtype=None):
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from odc_hf.data import tiny_qwen2_config
+    from odc_hf.testing.data import tiny_qwen2_config
 
     config = tiny_qwen2_config(
         VOCAB, intermediate_size=MLP, tie_word_embeddings=tie, attn_implementation="sdpa"

@@ -93,7 +93,7 @@ def test_the_trainer_builds_its_accelerator_with_the_plugin(tmp_path):
     from transformers import TrainingArguments
 
     from odc_hf import ODCTrainer
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     config = ODCConfig(balance="lb_micro", timeout_s=9)
@@ -123,7 +123,7 @@ def _own_loop_rank(rank, world):
 
 def _single_process_reference(sampler, steps: int):
     """The same model trained by one process on each whole minibatch, one sample per forward."""
-    from odc_hf.data import default_tokenized_dataset, default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenized_dataset, default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     model = tiny_qwen2_model(tokenizer)

@@ -197,9 +197,9 @@ def test_grpo_on_two_ranks_sharing_the_gpu_matches_trl(tmp_path):
 def test_trl_sft_recipe_with_lora_on_an_untied_head_shares_the_gpu(tmp_path):
     from recipe_checks import training_losses
 
-    from odc_hf.data import default_conversations
-    from odc_hf.pretrained_tokenizer import qwen2_5_tokenizer
     from odc_hf.testing import local_model_and_data
+    from odc_hf.testing.data import default_conversations
+    from odc_hf.testing.pretrained_tokenizer import qwen2_5_tokenizer
 
     tokenizer = qwen2_5_tokenizer()
     conversations = default_conversations(12, max_chars=600)

@@ -20,8 +20,8 @@ def _generate_and_train(rank: int, world_size: int, events: str):
     import torch.distributed as dist
     from transformers import Qwen2ForCausalLM
 
-    from odc_hf.data import tiny_qwen2_config
     from odc_hf.fsdp import install_odc, shard_model
+    from odc_hf.testing.data import tiny_qwen2_config
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(tiny_qwen2_config(256, pad_token_id=0, eos_token_id=1))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel, TokenCostModel
 from odc_hf.balance.padded import pack_padded, plan_padded
 from odc_hf.balance.planner import pack_first_fit_decreasing, plan_lb_mini
-from odc_hf.workloads import qwen2_5_config
+from odc_hf.prediction.workloads import qwen2_5_config
 
 ROOT = Path(__file__).resolve().parents[1]
 COST_MODELS = {
@@ -270,8 +270,8 @@ def test_packed_rows_give_trl_s_padded_log_probs_entropies_and_gradients():
     from trl.trainer.utils import add_fused_lm_head
 
     import odc_hf.attention  # noqa: F401 - registers "sdpa_varlen"
-    from odc_hf.data import tiny_qwen2_config
     from odc_hf.integrations.grpo_batch import pack_rows, scatter_packed
+    from odc_hf.testing.data import tiny_qwen2_config
 
     torch.manual_seed(0)
     config = tiny_qwen2_config(97)

@@ -99,7 +99,7 @@ def test_unsupported_loss_type_is_refused_clearly(tmp_path):
     from trl import GRPOConfig
 
     from odc_hf import ODCGRPOTrainer
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), loss_type="cispo", per_device_train_batch_size=4, num_generations=4,

@@ -52,8 +52,8 @@ def _train(rank: int, world: int, out: str, trainer_name: str, *, sleep: bool = 
     from trl import GRPOConfig, GRPOTrainer
 
     from odc_hf import ODCConfig, ODCGRPOTrainer
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
     from odc_hf.integrations.vllm_weights import vllm_weights
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     torch.set_num_threads(1)
     tokenizer = default_tokenizer()
@@ -218,7 +218,7 @@ def _refusal(tmp_path, **changes):
     from trl import GRPOConfig
 
     from odc_hf import ODCGRPOTrainer
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, report_to="none",

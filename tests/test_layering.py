@@ -3,8 +3,10 @@ breaks them.
 
 - ``odc_hf.balance`` is pure planning: importing it loads neither transformers, accelerate, TRL nor (from odc_hf code)
   torch.distributed, checked by importing it in a fresh interpreter with those blocked;
-- no odc_hf module imports a higher layer (transport < fsdp < model helpers < integrations < launchers; balance and
-  transport are independent of each other), and transport / fsdp / balance import nothing of Hugging Face;
+- no odc_hf module imports a higher layer (transport < fsdp < model helpers and test fixtures < prediction <
+  integrations < launchers; balance and transport are independent of each other), transport / fsdp / balance import
+  nothing of Hugging Face, and integrations (what training runs) imports neither prediction nor the fixtures;
+- every module has a layer, and the package root holds only the modules named in ``ROOT_MODULES``;
 - the library never imports benchmarks or tests; benchmarks and tests import a benchmark only through a shared module
   (a benchmarks file without a ``__main__`` block), never a benchmark script.
 """
@@ -21,22 +23,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Layer of every odc_hf package / top-level module: a module may import odc_hf modules of lower layers and of its own
-# package only. transport and balance share a layer so that neither may import the other.
+# package only. transport and balance share a layer so that neither may import the other; so do attention and testing.
 LAYERS = {
-    "odc_hf.version": 0, "odc_hf.config": 0, "odc_hf.workloads": 0,
+    "odc_hf.version": 0, "odc_hf.config": 0,
     "odc_hf.transport": 1, "odc_hf.balance": 1,
     "odc_hf.fsdp": 2,
-    "odc_hf.attention": 3, "odc_hf.calibrate": 3, "odc_hf.data": 3, "odc_hf.hf_rebalance": 3,
-    "odc_hf.integrations": 4,
-    "odc_hf.run": 5, "odc_hf.offline": 5,
-    "odc_hf.testing": 6,
+    "odc_hf.attention": 3, "odc_hf.testing": 3,
+    "odc_hf.prediction": 4,
+    "odc_hf.integrations": 5,
+    "odc_hf.run": 6, "odc_hf.estimate": 6, "odc_hf.offline": 6,
     "odc_hf": 7,  # the package's __init__ (its exports are lazy)
 }  # fmt: skip
+# The modules at the package root: the public config and the version checks everything imports (layer 0), the
+# attention implementation a user registers by importing it, the three documented commands, and the __init__.
+ROOT_MODULES = {"__init__", "config", "version", "attention", "run", "estimate", "offline"}
 HUGGING_FACE = ("transformers", "accelerate", "trl", "peft", "datasets")
-FORBIDDEN = {  # third-party modules a package must not import
+FORBIDDEN = {  # modules a package must not import
     "odc_hf.transport": HUGGING_FACE,
     "odc_hf.fsdp": HUGGING_FACE,
     "odc_hf.balance": (*HUGGING_FACE, "torch.distributed"),
+    # training runs none of the prediction code and none of the fixtures (integrations sits above both)
+    "odc_hf.integrations": ("odc_hf.prediction", "odc_hf.testing"),
 }
 
 
@@ -98,6 +105,23 @@ def test_no_odc_hf_module_imports_a_higher_layer_or_a_forbidden_library():
                 if _within(name, [package]) and _within(module, forbidden):
                     broken.append(f"{where}: {package} may not import {module}")
     assert not broken, "\n".join(broken)
+
+
+def test_every_module_has_a_layer():
+    """A module that matches no LAYERS entry but the package's own would fall into the top layer, where every import
+    passes: each must be named, by its own entry or by its package's."""
+    unnamed = []
+    for path in sorted((ROOT / "odc_hf").rglob("*.py")):
+        name = _module_name(path)
+        if name != "odc_hf" and _layer_of(name)[0] == "odc_hf":
+            unnamed.append(f"{path.relative_to(ROOT)} ({name}) matches no entry of LAYERS")
+    assert not unnamed, "\n".join(unnamed)
+
+
+def test_the_package_root_holds_only_the_named_modules():
+    """New modules go into the package of what they are (transport, fsdp, balance, prediction, integrations,
+    testing); a module at the root is a decision, named in ROOT_MODULES with its reason."""
+    assert {p.stem for p in (ROOT / "odc_hf").glob("*.py")} == ROOT_MODULES
 
 
 def test_benchmark_scripts_are_imported_only_through_shared_modules():

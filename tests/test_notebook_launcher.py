@@ -23,7 +23,7 @@ CELL = textwrap.dedent(
     def train(output_dir):
         from trl import SFTConfig
         from odc_hf import ODCConfig, ODCSFTTrainer
-        from odc_hf.data import default_text_dataset, default_tokenizer, tiny_qwen2_model
+        from odc_hf.testing.data import default_text_dataset, default_tokenizer, tiny_qwen2_model
 
         tok = default_tokenizer()
         args = SFTConfig(output_dir=output_dir, max_steps=3, per_device_train_batch_size=2, report_to="none",

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from odc_hf import run as odc_run
-from odc_hf.run import launch_env, plan_launch
+from odc_hf.integrations import relaunch as odc_run
+from odc_hf.integrations.relaunch import launch_env, plan_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 

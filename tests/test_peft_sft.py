@@ -35,7 +35,7 @@ def _lora():
 
 
 def _texts():
-    from odc_hf.data import default_documents
+    from odc_hf.testing.data import default_documents
 
     docs = [doc for doc in default_documents() if len(doc) > max(CUTS)][:NUM_SAMPLES]
     return [doc[: CUTS[i % len(CUTS)]] for i, doc in enumerate(docs)]
@@ -54,7 +54,7 @@ def _odc_rank(rank, world, output_dir, resume, tied=True, num_samples=NUM_SAMPLE
     from datasets import Dataset
 
     from odc_hf import ODCSFTTrainer
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     model = tiny_qwen2_model(tokenizer, tie_word_embeddings=tied)
@@ -87,7 +87,7 @@ def _trl_single_process(output_dir, texts, sampler, tied=True, steps=STEPS):
     from datasets import Dataset
     from trl import SFTTrainer
 
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     class InOrder(SFTTrainer):  # the ODC run's minibatches, in its order
         def _get_train_sampler(self, train_dataset=None):
@@ -124,7 +124,7 @@ def test_odc_lora_sft_matches_trl_lora_sft_in_one_process(odc_run, monkeypatch):
         # token normaliser, or a lost microbatch, moves them by > 1e-3.
         assert ours["loss"] == pytest.approx(ref["loss"], rel=2e-6), (ours, ref)
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=4e-6), (ours, ref)
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     initial = dict(tiny_qwen2_model(default_tokenizer()).named_parameters())
     for name, ref in ref_params.items():
@@ -159,7 +159,7 @@ def test_saved_adapter_reloads_into_a_plain_model(odc_run):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     path, ((_, _, _, params, logits), _) = odc_run
     adapter = path / "odc" / "adapter"
@@ -198,8 +198,8 @@ def test_resume_from_a_lora_checkpoint_repeats_the_steps(odc_run):
 def test_quantized_base_models_are_refused_clearly():
     from peft import get_peft_model
 
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
     from odc_hf.integrations.accelerator import check_not_quantized
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     model = tiny_qwen2_model(default_tokenizer())
     check_not_quantized(get_peft_model(model, _lora()))  # LoRA on an unquantized base: fine

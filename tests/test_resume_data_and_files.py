@@ -34,7 +34,7 @@ class _Warnings(logging.Handler):
 
 def _trainer(out, num_samples: int):
     from odc_hf import ODCConfig, ODCSFTConfig, ODCSFTTrainer
-    from odc_hf.data import default_text_dataset, default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_text_dataset, default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     args = ODCSFTConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=PER_DEVICE,

@@ -19,7 +19,7 @@ def _build(rank, world, columns: dict):
     import os
 
     from odc_hf import ODCConfig, ODCSFTConfig, ODCSFTTrainer
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     os.environ["ACCELERATE_USE_CPU"] = "true"
     tokenizer = default_tokenizer()

@@ -42,7 +42,7 @@ def test_sft_e2e_benchmark_smoke(tmp_path):
     )  # every variant trains every sample once
     # H (A_hf) runs the microbatches transformers' BatchRebalanceSampler gives (2 samples per rank, per-device 2:
     # one microbatch each), read from transformers itself
-    from odc_hf import hf_rebalance as hf
+    from odc_hf.prediction import batch_rebalance as hf
 
     if hf.available()[0]:
         import numpy as np

@@ -133,7 +133,7 @@ def test_grpo_refuses_global_batch_size(tmp_path):
     from trl import GRPOConfig
 
     from odc_hf import ODCConfig, ODCGRPOTrainer
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, report_to="none",

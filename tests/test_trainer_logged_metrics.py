@@ -33,7 +33,7 @@ def _logs(trainer) -> list[dict]:
 
 def _odc_rank(rank, world, out):
     from odc_hf import ODCConfig, ODCSFTTrainer
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     runs = {}
@@ -60,7 +60,7 @@ def _odc_rank(rank, world, out):
 def _trl(out, interval: int) -> dict:
     from trl import SFTTrainer
 
-    from odc_hf.data import default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     model = tiny_qwen2_model(tokenizer, seed=sft_runs.SEED)

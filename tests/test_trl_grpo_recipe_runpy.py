@@ -10,8 +10,8 @@ import math
 import pytest
 from recipe_checks import assert_same_tokenizer, assert_trained_copy, load_weights, logged, training_losses
 
-from odc_hf.data import default_conversations
 from odc_hf.testing import accelerate_cpu, local_model_and_data
+from odc_hf.testing.data import default_conversations
 
 STEPS = 2
 REWARD = '''
@@ -25,7 +25,7 @@ def length_reward(completions, **kwargs):
 
 @pytest.mark.slow
 def test_trl_grpo_recipe_runs_with_odc(tmp_path):
-    from odc_hf.pretrained_tokenizer import qwen2_5_tokenizer
+    from odc_hf.testing.pretrained_tokenizer import qwen2_5_tokenizer
 
     tokenizer = qwen2_5_tokenizer()
     prompts = [{"prompt": c["messages"][:1]} for c in default_conversations(16, max_chars=300)]

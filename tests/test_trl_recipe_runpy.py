@@ -11,15 +11,15 @@ from __future__ import annotations
 import pytest
 from recipe_checks import assert_same_tokenizer, assert_trained_copy, load_weights, training_losses
 
-from odc_hf.data import default_conversations
 from odc_hf.testing import accelerate_cpu, local_model_and_data
+from odc_hf.testing.data import default_conversations
 
 STEPS = 5
 
 
 def _recipe(tmp_path, steps: int, *extra, tied: bool = True):
     """Run trl.scripts.sft through odc_hf.run; returns (tokenizer, conversations, model_dir, out_dir, output)."""
-    from odc_hf.pretrained_tokenizer import qwen2_5_tokenizer
+    from odc_hf.testing.pretrained_tokenizer import qwen2_5_tokenizer
 
     tokenizer = qwen2_5_tokenizer()
     conversations = default_conversations(4 * steps, max_chars=600)  # 2 per rank per step

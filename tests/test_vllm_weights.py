@@ -14,7 +14,7 @@ from odc_hf.integrations.vllm_weights import LoraMerge, vllm_name, vllm_weights
 def _model(tie: bool = True):
     from transformers import Qwen2ForCausalLM
 
-    from odc_hf.data import tiny_qwen2_config
+    from odc_hf.testing.data import tiny_qwen2_config
 
     torch.manual_seed(0)
     return Qwen2ForCausalLM(tiny_qwen2_config(64, num_layers=1, tie_word_embeddings=tie))

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from odc_hf.workloads import WORKLOADS, generate_lengths
+from odc_hf.prediction.workloads import WORKLOADS, generate_lengths
 
 N = 20_000
 

@@ -136,7 +136,7 @@ def _version(name: str) -> str | None:
 
 def build_model(out: Path, rank: int) -> str:
     """The tiny model (head_dim 64) and the offline tokenizer, saved for vLLM; returns the path."""
-    from odc_hf.data import TINY_HEAD_DIM_64, default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import TINY_HEAD_DIM_64, default_tokenizer, tiny_qwen2_model
 
     path = out / f"model_rank{rank}"  # one copy per rank: no barrier needed before the trainer starts
     tokenizer = default_tokenizer()

@@ -8,7 +8,7 @@ restarting per document) attention is computed per document, so the cost of a pa
     microbatch_cost = max(floor, overhead + sum over its documents of doc_cost(length))
 
 where ``overhead`` is a fixed per-microbatch price and ``floor`` the least a microbatch costs at all
-(both zero for the analytic models; fitted by ``odc_hf.calibrate.calibrate``). The floor is how a real GPU behaves:
+(both zero for the analytic models; fitted by ``odc_hf.prediction.calibrate.calibrate``). The floor is how a real GPU behaves:
 a short row is launch-bound (the host issues kernels slower than the GPU runs them: per fwd+bwd of a 1.5B
 model on an H200 up to ~4k tokens, ~0.18 s with every layer checkpointed, ~0.1 s on odc_hf's default path),
 while a long row is GPU-bound and its host work hides under the GPU's. Fitting that with an additive ``a`` instead (``a + b·s + c·s²`` over all lengths)
@@ -23,7 +23,8 @@ Three models:
 - :class:`TokenCostModel`: cost = tokens. What "balance by tokens" planners implicitly use; shown
   for comparison, and the sampler's default only because it needs no config.
 - :class:`QuadraticCostModel`: ``max(floor, a + b·s + c·s²)`` fitted to timings measured on the target
-  device (``odc_hf.calibrate``, which runs the model), the most faithful when the device is available.
+  device (``odc_hf.prediction.calibrate``, which runs the model), the most faithful when the device is
+  available.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ class TokenCostModel(CostModel):
 
 @dataclass(frozen=True, kw_only=True)
 class QuadraticCostModel(CostModel):
-    """``max(floor, a + Σ (b·s + c·s²))`` per microbatch of documents s, usually in seconds (``odc_hf.calibrate``).
+    """``max(floor, a + Σ (b·s + c·s²))`` per microbatch of documents s, usually in seconds
+    (``odc_hf.prediction.calibrate``).
 
     ``a`` is a fixed price per microbatch, ``floor`` the least any microbatch costs (launch-bound rows,
     see the module docstring); ``floor=0`` gives the plain additive model.
@@ -208,8 +210,8 @@ class QuadraticCostModel(CostModel):
 
         ``microbatches[i]`` holds the document lengths of a packed microbatch that took ``seconds[i]``
         (forward + backward, as timed in training, so sharding, gathers and packing are included). The
-        single-GPU timings of ``odc_hf.calibrate.calibrate`` can misjudge packed rows in a sharded run; this fits the
-        cost the planner will actually see. Same fit as :meth:`fit`, with the floor split on Σs.
+        single-GPU timings of ``odc_hf.prediction.calibrate.calibrate`` can misjudge packed rows in a sharded run;
+        this fits the cost the planner will actually see. Same fit as :meth:`fit`, with the floor split on Σs.
         """
         t = np.asarray(seconds, dtype=np.float64)
         if len(microbatches) != t.size:

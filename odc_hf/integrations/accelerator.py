@@ -96,8 +96,9 @@ def check_cpu_ranks_have_no_gpu_to_pick(use_cpu: bool = False, environ=None) -> 
     accelerate's ``wait_for_everyone`` calls ``torch.distributed.barrier(device_ids=[local_rank])`` on CPU ranks too,
     and torch then places the barrier's tensor on ``cuda:<local_rank>`` whenever CUDA is visible: on a machine with
     one GPU, rank 1 of a 2-process CPU run fails there with "CUDA error: invalid device ordinal" (inside TRL's dataset
-    preparation). ``python examples/sft.py`` hides CUDA from CPU ranks (``odc_hf.run.plan_launch``); a launch of
-    ``accelerate_configs/cpu.yaml`` by hand must do the same."""
+    preparation). ``python examples/sft.py`` hides CUDA from CPU ranks
+    (``odc_hf.integrations.relaunch.plan_launch``); a launch of ``accelerate_configs/cpu.yaml`` by hand must do the
+    same."""
     environ = os.environ if environ is None else environ
     cpu = use_cpu or environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
     local_rank = environ.get("LOCAL_RANK", "")

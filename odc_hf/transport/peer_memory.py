@@ -35,6 +35,10 @@ from odc_hf.version import require_torch
 
 PEER_MEMORY_CHOICES = ("auto", "symmetric_memory", "ipc")
 """``auto``: symmetric memory when every rank has its own GPU, else CUDA IPC; or one of the two by name."""
+SAFE_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast off in NCCL, torch symmetric memory and NVSHMEM: the processes odc_hf starts (the
+examples' relaunch, ``odc_hf.testing.run_ranks``) get these. ODC maps peers' buffers without multicast; the
+variables keep the libraries from using it on hosts where it must stay off."""
 
 
 def symmetric_memory_module():

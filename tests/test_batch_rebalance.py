@@ -4,11 +4,11 @@ by odc_hf's cost models, and the simulator's step time of a batch_rebalance sche
 import numpy as np
 import pytest
 
-from odc_hf import hf_rebalance as hf
-from odc_hf.balance.cluster import Cluster, ModelShape, StepOverheads
 from odc_hf.balance.cost import QuadraticCostModel
-from odc_hf.balance.lockstep import lockstep_cost_matrix, padded_tokens, padding_waste
-from odc_hf.balance.simulate import plan_steps, step_times, summarize
+from odc_hf.prediction import batch_rebalance as hf
+from odc_hf.prediction.cluster import Cluster, ModelShape, StepOverheads
+from odc_hf.prediction.lockstep import lockstep_cost_matrix, padded_tokens, padding_waste
+from odc_hf.prediction.simulate import plan_steps, step_times, summarize
 
 AVAILABLE, WHY = hf.available()
 # transformers without the batch_rebalance sampler (an older or newer release) has no baseline to compare with

@@ -1,7 +1,8 @@
 """Calibrate a cost model on the target device: time forward+backward of the model, fit ``max(floor, a+b·s+c·s²)``.
 
-It runs the model, so it lives above ``odc_hf.balance`` (pure planning: numbers in, plans out); the result is a
-:class:`~odc_hf.balance.QuadraticCostModel`, whose ``to_dict()`` is the JSON ``ODCConfig.cost_model`` reads.
+It runs the model, so it lives above ``odc_hf.balance`` (pure planning: numbers in, plans out), beside the
+estimate that reads its result (``--cost-model``); the result is a :class:`~odc_hf.balance.QuadraticCostModel`,
+whose ``to_dict()`` is the JSON ``ODCConfig.cost_model`` reads.
 """
 
 from __future__ import annotations

@@ -22,16 +22,14 @@ import os
 import pickle
 import queue as queue_mod
 import socket
-import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from odc_hf.run import SAFE_GPU_ENV
+from odc_hf.transport.peer_memory import SAFE_GPU_ENV
 
 
 @dataclasses.dataclass
@@ -220,30 +218,3 @@ def run_ranks(
     if not all(o.ok for o in result):
         raise RanksFailed(result)
     return [o.value for o in result]
-
-
-def accelerate_cpu(*args, env: dict | None = None, cwd=None, timeout: float = 600,
-                   config: str = "cpu.yaml") -> subprocess.CompletedProcess:  # fmt: skip
-    """``accelerate launch --config_file accelerate_configs/<config> --main_process_port 0 *args`` from the checkout.
-
-    ``cpu.yaml``: two CPU processes; ``cpu_hsdp.yaml``: four, as a 2 x 2 HSDP mesh. Offline (no hub, no datasets
-    downloads), one torch thread each; ``env`` entries are added to the environment. Returns the finished process
-    (output captured as text). For the tests of this repository.
-    """
-    root = Path(__file__).resolve().parents[1]
-    full_env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}  # fmt: skip
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(root / "accelerate_configs" / config),
-           "--main_process_port", "0", *map(str, args)]  # fmt: skip
-    return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-def local_model_and_data(directory, rows: list[dict], tokenizer=None, **config_kwargs) -> tuple[Path, Path]:
-    """Offline stand-ins for a hub model and a hub data set, for recipe tests: :func:`odc_hf.offline.write_model_and_data`
-    (``python -m odc_hf.offline``) with the rows given: the tiny Qwen2 model sized to ``tokenizer`` (default: the
-    embedded ``odc_hf.data.default_tokenizer()``; a pretrained one: ``odc_hf.pretrained_tokenizer.qwen2_5_tokenizer()``)
-    and the tokenizer saved in ``directory/model``, ``rows`` as ``directory/data/train.jsonl``. Returns both folders.
-    ``config_kwargs`` go to the model's config (e.g. ``tie_word_embeddings=False``)."""
-    from odc_hf.offline import write_model_and_data
-
-    return write_model_and_data(directory, rows, tokenizer=tokenizer, **config_kwargs)

@@ -1,4 +1,4 @@
-"""The balance bound of ``odc_hf.balance.simulate`` never exceeds any schedule it bounds (issue 29: it came out at
+"""The balance bound of ``odc_hf.prediction.simulate`` never exceeds any schedule it bounds (issue 29: it came out at
 0.753 s against FSDP2's 0.750 s, because it carried ODC's per-step overhead, larger than FSDP2's)."""
 
 import numpy as np
@@ -6,9 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from odc_hf.balance.cluster import Cluster, ModelShape
 from odc_hf.balance.cost import QuadraticCostModel
-from odc_hf.balance.simulate import h200_overheads, load_cost_model, plan_steps, step_times
+from odc_hf.prediction.cluster import Cluster, ModelShape
+from odc_hf.prediction.cost_models import h200_overheads, load_cost_model
+from odc_hf.prediction.simulate import plan_steps, step_times
 
 SHAPE = ModelShape(name="tiny", num_layers=4, layer_params=3_000_000, root_params=8_000_000,
                    num_matmul_params=12_000_000, attn_dim=256)  # fmt: skip
@@ -21,7 +22,7 @@ def one_microbatch_per_rank(world):
 
 
 def hf_rebalance(world, grad_accum):
-    from odc_hf.hf_rebalance import rebalance_plan
+    from odc_hf.prediction.batch_rebalance import rebalance_plan
 
     return lambda batch: rebalance_plan(batch, world, grad_accum)
 
@@ -52,7 +53,7 @@ def test_bound_never_exceeds_a_schedule(lengths, gpus, nodes, grad_accum, budget
     if lengths.size < world * per_rank:
         lengths = np.resize(lengths, world * per_rank)
     if planner == "hf_rebalance":
-        from odc_hf import hf_rebalance as hf
+        from odc_hf.prediction import batch_rebalance as hf
 
         available, why = hf.available()
         if not available:

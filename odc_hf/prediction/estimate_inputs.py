@@ -1,4 +1,7 @@
-"""Token counts of a dataset's rows for ``python -m odc_hf.estimate``, tokenized as TRL's SFTTrainer does.
+"""The inputs of ``python -m odc_hf.estimate``: token counts (from a file, or a dataset's rows tokenized as
+TRL's SFTTrainer does) and the model's shape; bad input raises :class:`EstimateError` saying what to change.
+
+A dataset's rows are counted by their column:
 
 - an ``input_ids`` column: its lengths (already tokenized);
 - ``messages`` (chat): ``tokenizer.apply_chat_template(messages, tokenize=True)``;
@@ -10,11 +13,16 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import numpy as np
 
+from .workloads import QWEN2_5_SHAPES
+
 BATCH = 1000
+TIED_PRESETS = {"1.5B"}  # Qwen2.5-1.5B ties its embeddings; 7B, 14B, 32B do not
 BUILDERS = {
     ".jsonl": "json",
     ".json": "json",
@@ -27,6 +35,70 @@ BUILDERS = {
 
 class EstimateError(ValueError):
     """Bad input to ``python -m odc_hf.estimate``, with what to change; its ``main`` prints it and exits with 2."""
+
+
+def read_lengths_file(path: str | Path) -> np.ndarray:
+    """Token counts from a file: one integer per line (blank lines and ``#`` comments skipped), or JSON (a list,
+    or an object with a ``lengths`` list)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EstimateError(f"--lengths {path}: no such file")
+    text = path.read_text()
+    if path.suffix == ".json" or text.lstrip().startswith(("[", "{")):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise EstimateError(f"--lengths {path}: not valid JSON ({err})") from None
+        values = data.get("lengths") if isinstance(data, dict) else data
+        if not isinstance(values, list):
+            raise EstimateError(
+                f"--lengths {path}: expected a JSON list of integers or an object with 'lengths'"
+            )
+        bad = [(i, v) for i, v in enumerate(values) if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        if bad:
+            raise EstimateError(
+                f"--lengths {path}: entry {bad[0][0]} is {bad[0][1]!r}, not a token count (int >= 0)"
+            )
+        return np.asarray(values, dtype=np.int64)
+    values = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if not line.isdigit():
+            raise EstimateError(
+                f"--lengths {path}, line {number}: {line!r} is not a token count (one integer per line)"
+            )
+        values.append(int(line))
+    return np.asarray(values, dtype=np.int64)
+
+
+def model_shape(spec: str):
+    """A Qwen2.5 size (``1.5B``, ``7B``, ...) or a config path / hub name read with ``transformers.AutoConfig``."""
+    from .cluster import ModelShape
+    from .workloads import qwen2_5_config
+
+    if spec in QWEN2_5_SHAPES:
+        config = qwen2_5_config(spec)
+        config.tie_word_embeddings = spec in TIED_PRESETS
+        return ModelShape.from_config(config, name=f"Qwen2.5-{spec}")
+    if re.fullmatch(r"\d+(\.\d+)?[bB]", spec):  # a size that is not a preset: no need to ask the hub
+        raise EstimateError(f"--model {spec!r}: not a preset; the presets are {', '.join(QWEN2_5_SHAPES)} (Qwen2.5 "
+                            "sizes), otherwise pass a config path or hub name")  # fmt: skip
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(spec)
+    except Exception as err:  # noqa: BLE001 - any loading failure is the user's input to fix
+        raise EstimateError(
+            f"--model {spec!r}: not a preset ({', '.join(QWEN2_5_SHAPES)}) and AutoConfig could not load it "
+            f"({type(err).__name__}: {err})"
+        ) from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        return ModelShape.from_config(text, name=spec)
+    except ValueError as err:
+        raise EstimateError(f"--model {spec!r}: {err}") from None
 
 
 def load_rows(name: str, *, split: str, config_name: str | None):
@@ -74,7 +146,7 @@ def _is_empty_text_file(path: Path) -> bool:
 
 def load_tokenizer(name: str):
     if name == "default":
-        from .data import default_tokenizer
+        from ..testing.data import default_tokenizer
 
         return default_tokenizer()
     from transformers import AutoTokenizer

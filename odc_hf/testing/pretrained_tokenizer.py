@@ -10,7 +10,7 @@ Qwen2.5 chat template, and caches the result under ``~/.cache/odc_hf`` (keyed by
 takes a few seconds, loading well under one). ``tests/test_pretrained_tokenizer.py`` checks it against the package's
 own tiktoken encoder on real text.
 
-The embedded tokenizer of :mod:`odc_hf.data` stays the default of the examples (no extra package needed).
+The embedded tokenizer of :mod:`odc_hf.testing.data` stays the default of the examples (no extra package needed).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import transformers
 
-from odc_hf.data import _file_lock
+from odc_hf.testing.data import _file_lock
 
 __all__ = ["QWEN_RANKS_PACKAGE", "qwen2_5_tokenizer", "qwen_ranks_file"]
 

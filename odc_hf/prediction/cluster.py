@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import decoder_dims
+from ..balance.cost import decoder_dims
 
 __all__ = [
     "Cluster",

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .cost import CostModel
+from ..balance.cost import CostModel
 
 __all__ = ["LAYOUTS", "lockstep_cost_matrix", "padded_tokens", "padding_waste"]
 
