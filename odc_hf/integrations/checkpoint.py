@@ -3,7 +3,7 @@
 The Trainer only knows how to save sharded optimizers for accelerate's FSDP; on the CPU path it would write
 rank 0's optimizer shard alone. These two functions replace the Trainer's private
 ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler`` for that path only (the mixin calls them;
-transformers 5.17 and 5.24 both have those names, checked by ``TRAINER_HOOKS`` and a test): the optimizer goes
+those names are in ``TRAINER_HOOKS``, odc_hf/integrations/transformers_version.py): the optimizer goes
 through torch.distributed.checkpoint (every rank writes its shard; DCP reshards on load, so a checkpoint of N ranks
 loads on M), the scheduler is written by the main process as the Trainer does. Model weights go through
 ``ODCMixin.save_model`` (full state dict) and the Trainer loads them before sharding, so they need nothing here.
@@ -21,15 +21,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-# Private Trainer methods the ODC trainers override (odc_hf/integrations/trainer.py); tests/test_trainer_errors.py
-# fails loudly if transformers renames one.
-TRAINER_HOOKS = (
-    "_save_optimizer_and_scheduler",
-    "_load_optimizer_and_scheduler",
-    "_issue_warnings_after_load",
-    "_save_checkpoint",
-    "_get_output_dir",
-)
 OPTIMIZER_DIR = "odc_optimizer"
 DCP_METADATA = ".metadata"  # written last by dcp.save's coordinator, once every rank's shard is on disk
 SCHEDULER_NAME = "scheduler.pt"
