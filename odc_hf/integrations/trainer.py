@@ -31,7 +31,13 @@ from transformers import Trainer, TrainerCallback
 from odc_hf.balance import ODCBatchSampler
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import is_sharded
-from odc_hf.integrations import compute_path, cuda_allocator, parallelism, shared_gpu
+from odc_hf.integrations import (
+    activation_checkpointing,
+    compute_path,
+    cuda_allocator,
+    parallelism,
+    shared_gpu,
+)
 from odc_hf.integrations.accelerator import (
     adopt,
     check_cpu_ranks_have_no_gpu_to_pick,
@@ -245,7 +251,7 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         check_budget(lengths, budget, truncate=self.odc_config.truncate, is_main_process=self.accelerator.is_main_process)
         prepare_attention(self, budget)  # the attention's warm-up on a GPU, before step 1
         if self.odc_compute is not None:
-            compute_path.plan(self, budget)  # activation checkpointing for this budget, before prepare()
+            activation_checkpointing.plan(self, budget)  # for this budget, before prepare()
         sampler = self.odc_sampler_class(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_global_batch_size,
             max_tokens_per_microbatch=budget, mode=self.odc_config.balance, cost_model=self._odc_cost_model(),
