@@ -122,7 +122,7 @@ def test_flash_attention_4_comes_with_the_kernels_extra_only():
     (FLASH_ATTENTION_4, "cuda", True), (VARLEN_ATTENTION, "cpu", True), (VARLEN_ATTENTION, "cuda", False),
     ("sdpa", "cpu", False), ("eager", "cuda", False), ("flash_attention_2", "cuda", True)])  # fmt: skip
 def test_grpo_layout_auto_packs_under_varlen_attention_that_gains(implementation, device, packed):
-    from odc_hf.integrations.grpo import _GRPOPart
+    from odc_hf.integrations.grpo_trainer import _GRPOPart
 
     def layout(choice):
         trainer = SimpleNamespace(odc_config=ODCConfig(grpo_layout=choice), odc_attention={"implementation": implementation},

@@ -234,7 +234,7 @@ def test_odc_sft_trainer_replaces_trl_default_checkpointing_with_auto(tmp_path):
     from trl import SFTConfig
 
     from odc_hf.data import default_tokenizer
-    from odc_hf.integrations.trl import ODCSFTTrainer
+    from odc_hf.integrations.sft_trainer import ODCSFTTrainer
 
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
     assert args.gradient_checkpointing  # TRL's default

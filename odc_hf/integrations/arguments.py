@@ -1,5 +1,5 @@
 """ODC options as trainer arguments: ``odc_*`` fields on ``ODCTrainingArguments`` (here), ``ODCSFTConfig`` and
-``ODCGRPOConfig`` (``odc_hf.integrations.trl_config``).
+``ODCGRPOConfig`` (``odc_hf.integrations.sft_config``, ``odc_hf.integrations.grpo_config``).
 
 They are the knobs of :class:`odc_hf.ODCConfig`, one ``odc_<field>`` per field, written out in :class:`ODCArguments`
 so that argument parsers (``HfArgumentParser`` / ``TrlParser``: ``--odc_balance`` ...), ``--help`` and IDEs show them;

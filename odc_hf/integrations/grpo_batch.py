@@ -7,7 +7,7 @@ reads. With ``packed=True`` it adds the row the model really runs on (:func:`pac
 back, no padding, and the index that puts the row's per-token log-probs back into TRL's (rows, completion columns)
 layout, where TRL's loss code then runs unchanged. Which samples go in which microbatch is planned by
 :func:`odc_hf.balance.padded.plan_padded` (padded) or the packed planners (``odc_hf.balance.planner``); the trainer is
-``odc_hf.integrations.grpo``.
+``odc_hf.integrations.grpo_trainer``.
 """
 
 from __future__ import annotations
