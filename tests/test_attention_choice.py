@@ -17,6 +17,7 @@ from odc_hf.data import tiny_qwen2_config
 from odc_hf.integrations import attention_setup
 from odc_hf.integrations.attention_setup import (
     FLASH_ATTENTION_4,
+    AttentionChoice,
     choose_attention,
     fa4_problem,
     resolve_attention,
@@ -125,7 +126,8 @@ def test_grpo_layout_auto_packs_under_varlen_attention_that_gains(implementation
     from odc_hf.integrations.grpo_trainer import _GRPOPart
 
     def layout(choice):
-        trainer = SimpleNamespace(odc_config=ODCConfig(grpo_layout=choice), odc_attention={"implementation": implementation},
+        trainer = SimpleNamespace(odc_config=ODCConfig(grpo_layout=choice),
+                                  odc_attention_choice=AttentionChoice("auto", implementation, ""),
                                   accelerator=SimpleNamespace(device=torch.device(device)))  # fmt: skip
         return _GRPOPart._odc_packed_layout(trainer)
 

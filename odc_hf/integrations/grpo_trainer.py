@@ -50,7 +50,7 @@ from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict
 from odc_hf.balance.padded import padded_microbatch_width, plan_padded
 from odc_hf.balance.planner import PLANNERS
 from odc_hf.fsdp import install_odc, is_sharded, shard_model
-from odc_hf.integrations.attention_setup import is_varlen, prepare_attention
+from odc_hf.integrations.attention_setup import prepare_attention
 from odc_hf.integrations.grpo_batch import (
     PACKED_KEY,
     GRPOBundle,
@@ -138,10 +138,8 @@ class _GRPOPart:
         layout = self.odc_config.grpo_layout
         if layout != "auto":
             return layout == "packed"
-        implementation = str((self.odc_attention or {}).get("implementation"))
-        if implementation.startswith("flash_attention"):
-            return True
-        return is_varlen(implementation) and self.accelerator.device.type != "cuda"
+        attention = self.odc_attention_choice
+        return attention.is_flash or (attention.is_varlen and self.accelerator.device.type != "cuda")
 
     def _odc_install_ref(self):
         """Put the (frozen, never updated) reference model on ODC too: its no-grad forwards gather one-sidedly."""
@@ -246,9 +244,8 @@ class _GRPOPart:
         lengths = [sample_length(s) for s in samples]
         packed = self.odc_grpo_packed
         # the cuDNN NaN workaround (CUDA_PAD_TO_MULTIPLE_OF) concerns masked padded rows on cuDNN only
-        multiple = 1 if packed else padded_columns_multiple(
-            self.accelerator.device.type, (self.odc_attention or {}).get("implementation")
-        )
+        multiple = 1 if packed else padded_columns_multiple(self.accelerator.device.type,
+                                                            self.odc_attention_choice.implementation)  # fmt: skip
         prompts = [int(s["prompt_ids"].numel()) for s in samples]
         # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
         # layout (docs/configuration.md): TRL's own, per_device rows of the widest padded row it could form here

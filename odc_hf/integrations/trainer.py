@@ -44,7 +44,7 @@ from odc_hf.integrations.accelerator import (
     check_launch_before_accelerate,
 )
 from odc_hf.integrations.arguments import odc_config_from_args
-from odc_hf.integrations.attention_setup import choose_attention, prepare_attention
+from odc_hf.integrations.attention_setup import AttentionChoice, choose_attention, prepare_attention
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
 from odc_hf.integrations.failures import failure_guard
 from odc_hf.integrations.launch_config import check_fsdp_config
@@ -136,13 +136,13 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         self.odc_stats = RunStats()
         self.odc_microbatch_timings: list[tuple[list[int], float]] = []
         self.odc_attention_warm_up: dict | None = None  # {"kind", "shapes", "seconds", "dtype"} once a warm-up ran
-        self.odc_attention: dict | None = None  # {"choice", "implementation", "reason"}: ODCConfig.attention resolved
+        self.odc_attention_choice: AttentionChoice | None = None  # ODCConfig.attention resolved, after the base init
         self.odc_compute: compute_path.ComputePath | None = None
         # before the base trainer reads the first row (TRL's SFTTrainer: a bare StopIteration on an empty dataset)
         check_not_empty(self._odc_argument("train_dataset", args, kwargs))
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
-        self.odc_attention = choose_attention(self)
+        self.odc_attention_choice = choose_attention(self)
         if self.odc_compute_path:
             self.odc_compute = compute_path.setup(self)
         device = self.accelerator.device
@@ -222,6 +222,12 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
     @property
     def odc(self):
         return getattr(self.accelerator, "odc", None)
+
+    @property
+    def odc_attention(self) -> dict | None:
+        """The run's attention as written to JSON, ``{"choice", "implementation", "reason"}`` (the record:
+        ``odc_attention_choice``)."""
+        return None if self.odc_attention_choice is None else self.odc_attention_choice.to_dict()
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """``Trainer.train`` under :func:`odc_hf.failure_guard`: an exception anywhere in a step (microbatches,

@@ -109,6 +109,7 @@ class ObservabilityPart:
             summary = {k: v for k, v in summary.items() if k not in COLLECTIVE_HIDDEN}
         self.odc_summary = summary
         if self.odc_config.log_timeline:
-            title = f"ODC per-rank timeline ({(self.odc_attention or {}).get('implementation')} attention)"
+            implementation = self.odc_attention_choice.implementation if self.odc_attention_choice else None
+            title = f"ODC per-rank timeline ({implementation} attention)"
             path = plot_timeline(self.odc_stats.steps[-50:], Path(self.args.output_dir) / "odc_timeline.png", title=title)
             logger.info("odc_hf: timeline written to %s", path)
