@@ -249,19 +249,19 @@ def _agree(memory: MemoryModel, total: float, device) -> tuple[MemoryModel, floa
     return dataclasses.replace(memory, **merged), -values[-1].item()
 
 
-def plan(trainer, tokens: int) -> None:
+def plan(trainer, max_tokens_per_microbatch: int) -> None:
     """When the token budget is known (``get_train_dataloader``, before ``prepare()``): choose and apply
-    checkpointing for microbatches of up to ``tokens`` tokens, log the compute path."""
+    checkpointing for microbatches of up to ``max_tokens_per_microbatch`` tokens, log the compute path."""
     path: ComputePath = trainer.odc_compute
     accelerator = trainer.accelerator
     if path.checkpointing == "user":
-        path.checkpointing, path.tokens = "full (gradient_checkpointing=True)", int(tokens)
+        path.checkpointing, path.tokens = "full (gradient_checkpointing=True)", int(max_tokens_per_microbatch)
     else:
         model = accelerator.unwrap_model(trainer.model)
         param = next(model.parameters())
         dtype = attention_dtype(accelerator.mixed_precision, param.dtype) or param.dtype
-        plan_checkpointing(path, model, policy=path.checkpointing, tokens=tokens, device=accelerator.device,
-                           compute_dtype=dtype, world_size=accelerator.num_processes,
+        plan_checkpointing(path, model, policy=path.checkpointing, tokens=max_tokens_per_microbatch,
+                           device=accelerator.device, compute_dtype=dtype, world_size=accelerator.num_processes,
                            odc=trainer.odc_config.enabled and accelerator.num_processes > 1,
                            device_memory_gib=trainer.odc_config.device_memory_gib,
                            kernel_config=getattr(trainer.args, "liger_kernel_config", None))  # fmt: skip

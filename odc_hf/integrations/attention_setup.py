@@ -182,10 +182,10 @@ def choose_attention(trainer) -> AttentionChoice:
     return AttentionChoice(choice=config.attention, implementation=name, reason=reason)
 
 
-def prepare_attention(trainer, budget: int | None) -> None:
+def prepare_attention(trainer, max_tokens_per_microbatch: int | None) -> None:
     """Before the first step, on a GPU: plan cuDNN's attention shapes of every length up to the token budget
-    (``sdpa_varlen``, :func:`odc_hf.attention.warm_up`; skipped when ``budget`` is None, as for GRPO, whose budget
-    comes with each generation) or compile FlashAttention-4's kernels (:func:`warm_up_flash`).
+    ``max_tokens_per_microbatch`` (``sdpa_varlen``, :func:`odc_hf.attention.warm_up`; skipped when it is None, as
+    for GRPO, whose budget comes with each generation) or compile FlashAttention-4's kernels (:func:`warm_up_flash`).
 
     ``trainer``: an ODC trainer (its ``accelerator``, ``model`` and ``odc_attention_choice``); what ran lands in
     ``trainer.odc_attention_warm_up`` (``{"kind", "shapes", "seconds", "dtype"}``)."""
@@ -197,9 +197,10 @@ def prepare_attention(trainer, budget: int | None) -> None:
         return
     start = time.perf_counter()
     if attention.is_varlen:
-        if budget is None:
+        if max_tokens_per_microbatch is None:
             return
-        kind, shapes = "sdpa_varlen", odc_hf.attention.warm_up(model, budget, dtype=dtype, device=accelerator.device)
+        shapes = odc_hf.attention.warm_up(model, max_tokens_per_microbatch, dtype=dtype, device=accelerator.device)
+        kind = "sdpa_varlen"
     elif attention.is_flash_attention_4:
         kind, shapes = FLASH_ATTENTION_4, warm_up_flash(model, dtype=dtype, device=accelerator.device)
     else:

@@ -47,7 +47,7 @@ from torch.distributed.fsdp import FSDPModule
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict
 
-from odc_hf.balance.padded import padded_microbatch_width, plan_padded
+from odc_hf.balance.padded import plan_padded
 from odc_hf.balance.planner import PLANNERS
 from odc_hf.fsdp import install_odc, is_sharded, shard_model
 from odc_hf.integrations.attention_setup import prepare_attention
@@ -64,6 +64,7 @@ from odc_hf.integrations.grpo_batch import (
 )
 from odc_hf.integrations.grpo_config import check_arguments, refusals
 from odc_hf.integrations.grpo_metrics import CLIP_EXTREMES, MetricRecorder, SliceMetrics, mean_keys, rows
+from odc_hf.integrations.train_data import padded_worst_case, resolve_max_tokens
 from odc_hf.integrations.trainer import ODCMixin
 from odc_hf.integrations.trl_version import check_trl_grpo
 from odc_hf.integrations.upstream_warnings import quiet_upstream_deprecations
@@ -247,22 +248,13 @@ class _GRPOPart:
         multiple = 1 if packed else padded_columns_multiple(self.accelerator.device.type,
                                                             self.odc_attention_choice.implementation)  # fmt: skip
         prompts = [int(s["prompt_ids"].numel()) for s in samples]
-        # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
-        # layout (docs/configuration.md): TRL's own, per_device rows of the widest padded row it could form here
-        budget = self.odc_config.max_tokens_per_microbatch or self.args.per_device_train_batch_size * padded_microbatch_width(
-            prompts, [n - p for n, p in zip(lengths, prompts)], multiple
-        )
-        if max(lengths) > budget:
-            raise ValueError(
-                f"a prompt + completion has {max(lengths)} tokens, more than max_tokens_per_microbatch={budget}; raise "
-                "it (ODCConfig.max_tokens_per_microbatch, --odc_max_tokens_per_microbatch, ODC_MAX_TOKENS_PER_MICROBATCH) "
-                "or unset it (then TRL's own widest microbatch); GRPO samples are never truncated"
-            )  # fmt: skip
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        worst_case = padded_worst_case(lengths, prompts, rows=self.args.per_device_train_batch_size, multiple=multiple)
+        max_tokens_per_microbatch = resolve_max_tokens(self.odc_config, lengths, worst_case, truncatable=False)
+        world, rank, balance = self.accelerator.num_processes, self.accelerator.process_index, self.odc_config.balance
         if packed:  # rows of whole sequences within the budget, as SFT plans them (dummy microbatches dropped)
-            plan = PLANNERS[self.odc_config.balance](lengths, world, budget, self._odc_cost_model())
+            plan = PLANNERS[balance](lengths, world, max_tokens_per_microbatch, self._odc_cost_model())
         else:
-            plan = plan_padded(lengths, world, budget, self._odc_cost_model(), self.odc_config.balance,
+            plan = plan_padded(lengths, world, max_tokens_per_microbatch, self._odc_cost_model(), balance,
                                prompts=prompts, multiple=multiple)  # fmt: skip
         mine = [mb for mb in plan.for_rank(rank) if mb]
         self.odc_plan_summary = plan.summary()

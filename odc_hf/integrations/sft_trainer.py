@@ -2,7 +2,7 @@
 
 TRL's ``SFTTrainer.compute_loss`` gathers its metrics (entropy, token accuracy, token count) once per
 microbatch; under ODC ranks run different numbers of microbatches, so the trainer keeps those gathers local
-inside the bundle loop (see ``_LocalGathers``) and aggregates here, once per step, with one all-reduce.
+inside the bundle loop (see ``LocalGathers``) and aggregates here, once per step, with one all-reduce.
 That reads two private TRL attributes (``_metrics``, ``_total_train_tokens``): they, and the TRL version, are checked
 at start-up (:mod:`odc_hf.integrations.trl_version`, the one TRL version policy).
 """

@@ -19,12 +19,10 @@ import copy
 import inspect
 import logging
 import time
-from pathlib import Path
 
 import torch
 import transformers
 from accelerate.utils import DistributedType, send_to_device
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
@@ -46,46 +44,25 @@ from odc_hf.integrations.accelerator import (
 from odc_hf.integrations.arguments import odc_config_from_args
 from odc_hf.integrations.attention_setup import AttentionChoice, choose_attention, prepare_attention
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
+from odc_hf.integrations.checkpoint import save_full_model
 from odc_hf.integrations.failures import failure_guard
 from odc_hf.integrations.launch_config import check_fsdp_config
 from odc_hf.integrations.planning import cost_model
 from odc_hf.integrations.plugin import as_odc_plugin, refuse_other_engines
 from odc_hf.integrations.stats import MicrobatchClock, RunStats, document_lengths
 from odc_hf.integrations.train_data import (
-    check_budget,
     check_minibatch_fits,
     check_not_empty,
+    packed_worst_case,
+    resolve_max_tokens,
     train_lengths,
     warn_no_label_tokens,
 )
 from odc_hf.integrations.trainer_checkpoint import CheckpointPart
-from odc_hf.integrations.trainer_observability import ObservabilityPart
-from odc_hf.integrations.transformers_version import TRAINING_ARGS_NAME, check_trainer
+from odc_hf.integrations.trainer_observability import LocalGathers, ObservabilityPart
+from odc_hf.integrations.transformers_version import check_trainer
 
 logger = logging.getLogger(__name__)
-
-
-class _LocalGathers:
-    """Stands in for the Accelerator inside the bundle loop: metric gathers stay local.
-
-    Libraries (TRL's ``compute_loss``) gather or reduce metrics once per microbatch; with uneven microbatch counts those
-    collectives would pair up different microbatches or deadlock. Inside the loop they return the local value;
-    the trainer aggregates once per step instead. Everything else goes to the real Accelerator.
-    """
-
-    def __init__(self, accelerator):
-        self._accelerator = accelerator
-
-    def gather_for_metrics(self, tensor, use_gather_object=False):
-        return tensor.reshape(1) if isinstance(tensor, torch.Tensor) and tensor.dim() == 0 else tensor
-
-    gather = gather_for_metrics
-
-    def reduce(self, tensor, reduction="sum", scale=1.0):  # TRL GRPO's global_masked_mean: local sums
-        return tensor * scale if scale != 1.0 else tensor
-
-    def __getattr__(self, name):
-        return getattr(self._accelerator, name)
 
 
 class _ODCCallback(TrainerCallback):
@@ -251,21 +228,21 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         check_minibatch_fits(len(lengths), per_device=self.args.per_device_train_batch_size, world=world,
                              accumulation=self.odc_folded_accumulation, drop_last=self.args.dataloader_drop_last,
                              global_batch_size=self.odc_config.global_batch_size)  # fmt: skip
-        # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
-        # layout, one packed row (docs/configuration.md), i.e. the longest sample.
-        budget = self.odc_config.max_tokens_per_microbatch or max(lengths)
-        check_budget(lengths, budget, truncate=self.odc_config.truncate, is_main_process=self.accelerator.is_main_process)
-        prepare_attention(self, budget)  # the attention's warm-up on a GPU, before step 1
-        if self.odc_compute is not None:
-            activation_checkpointing.plan(self, budget)  # for this budget, before prepare()
+        # the budget of one microbatch, resolved and checked against the samples once, then passed on trusted
+        max_tokens_per_microbatch = resolve_max_tokens(self.odc_config, lengths, packed_worst_case(lengths),
+                                                       is_main_process=self.accelerator.is_main_process)  # fmt: skip
+        prepare_attention(self, max_tokens_per_microbatch)  # the attention's warm-up on a GPU, before step 1
+        if self.odc_compute is not None:  # activation checkpointing for this budget, before prepare()
+            activation_checkpointing.plan(self, max_tokens_per_microbatch)
+        config = self.odc_config
         sampler = self.odc_sampler_class(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_global_batch_size,
-            max_tokens_per_microbatch=budget, mode=self.odc_config.balance, cost_model=self._odc_cost_model(),
-            seed=self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last,
-            truncate=self.odc_config.truncate, plan_ahead=self.odc_config.plan_ahead,
+            max_tokens_per_microbatch=max_tokens_per_microbatch, mode=config.balance, cost_model=self._odc_cost_model(),
+            seed=self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last, truncate=config.truncate,
+            plan_ahead=config.plan_ahead,
         )  # fmt: skip
         pad = getattr(self.processing_class, "pad_token_id", None)
-        collator = TrainerBundleCollator(max_tokens_per_microbatch=budget, truncate=self.odc_config.truncate,
+        collator = TrainerBundleCollator(max_tokens_per_microbatch=max_tokens_per_microbatch, truncate=config.truncate,
                                          pad_token_id=pad if pad is not None else 0, mask_keys=self.odc_mask_keys())  # fmt: skip
         self.odc_sampler = sampler
         # No pin_memory: torch's pinning rebuilds Mapping batches as their type from a dict, which a Bundle is
@@ -306,7 +283,7 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         loss_sum = torch.zeros((), device=device)
         snapshot = self.odc_before_bundle()
         real_accelerator = self.accelerator
-        self.accelerator = _LocalGathers(real_accelerator)
+        self.accelerator = LocalGathers(real_accelerator)
         guard = self.odc.failure_guard() if self.odc is not None else contextlib.nullcontext()
         clock = MicrobatchClock(device) if self._odc_time_microbatches() else None
         try:
@@ -372,7 +349,9 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         processing class and ``training_args.bin`` (with the user's ``gradient_accumulation_steps``: see
         :meth:`_odc_users_arguments`)."""
         with self._odc_users_arguments():
-            self._odc_save_model(output_dir, _internal_call)
+            if not self._odc_self_sharded():
+                return super().save_model(output_dir, _internal_call)
+            save_full_model(self, output_dir or self.args.output_dir)
 
     @contextlib.contextmanager
     def _odc_users_arguments(self):
@@ -387,30 +366,6 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
             yield
         finally:
             self.args.gradient_accumulation_steps = folded
-
-    def _odc_save_model(self, output_dir: str | None, _internal_call: bool) -> None:
-        if not self._odc_self_sharded():
-            return super().save_model(output_dir, _internal_call)
-        output_dir = output_dir or self.args.output_dir
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        # Tied parameters (lm_head / embed_tokens) come back as two gathered copies, which save_pretrained cannot
-        # recognise as one tensor: make them one again, so that it drops the tied name as it does for its own
-        # state dict (the model's _tied_weights_keys decide which).
-        model = self.accelerator.unwrap_model(self.model)
-        first_name: dict[int, str] = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            first = first_name.setdefault(id(param), name)
-            if first != name and first in state and name in state:
-                state[name] = state[first]
-        if self.accelerator.is_main_process:
-            Path(output_dir).mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(output_dir, state_dict=state)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, Path(output_dir) / TRAINING_ARGS_NAME)  # as Trainer._save: tools read it
-        self.accelerator.wait_for_everyone()
 
     def _odc_self_sharded(self) -> bool:
         """Whether odc_hf, not accelerate, sharded the model (the CPU path)."""
