@@ -157,6 +157,7 @@ def run(size: str, attns: list[str], args: dict) -> dict:
 
     from odc_hf import attention
     from odc_hf.balance.cost import FlopCostModel
+    from odc_hf.integrations import activation_checkpointing as ac
     from odc_hf.integrations import compute_path as cp
     from odc_hf.integrations.attention_setup import fa4_problem, resolve_attention
 
@@ -210,7 +211,7 @@ def run(size: str, attns: list[str], args: dict) -> dict:
     if liger:
         cp.apply_liger_kernels(model, fused_linear_cross_entropy=False)
     cp.install_fused_head(model, outputs=cp.SFT_HEAD_OUTPUTS)
-    cp.enable_checkpointing(model, cp.checkpointed_count(args["ac"], config.num_hidden_layers))
+    ac.enable_checkpointing(model, ac.checkpointed_count(args["ac"], config.num_hidden_layers))
     problem = fa4_problem(device, dtype, model)
     names = {a: resolve_attention(a, "sdpa", problem, attention.VARLEN_ATTENTION)[0] for a in attns}
     if device.type == "cuda" and attention.VARLEN_ATTENTION in names.values():

@@ -69,6 +69,7 @@ def build(args, device):
 def calibrate_default_path(args) -> dict:
     import torch
 
+    from odc_hf.integrations import activation_checkpointing as ac
     from odc_hf.integrations import compute_path as cp
     from odc_hf.prediction.calibrate import time_lengths
     from odc_hf.prediction.cluster import ModelShape
@@ -80,7 +81,7 @@ def calibrate_default_path(args) -> dict:
         cp.apply_liger_kernels(model, fused_linear_cross_entropy=False)  # SFT keeps TRL's fused head
     cp.install_fused_head(model, outputs=cp.SFT_HEAD_OUTPUTS)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    path = cp.plan_checkpointing(cp.ComputePath(kernels=kernels, loss=cp.TRL_FUSED_HEAD, checkpointing="auto"), model,
+    path = ac.plan_checkpointing(cp.ComputePath(kernels=kernels, loss=cp.TRL_FUSED_HEAD, checkpointing="auto"), model,
                                  policy="auto", tokens=args.max_tokens, device=device, compute_dtype=dtype,
                                  world_size=args.world_size, odc=args.world_size > 1, device_memory_gib=None)  # fmt: skip
     lengths = [int(s) for s in args.lengths.split(",")]

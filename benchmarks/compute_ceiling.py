@@ -111,12 +111,13 @@ def measure(model, batch, loss: str, repeats: int, device) -> dict:
 
 
 def _calibrate(model, kernels, loss, tokens, device, dtype, device_gib):
-    """The trainers' memory model (compute_path.calibrate_memory), with this process's unsharded static state."""
+    """The trainers' memory model (activation_checkpointing.calibrate_memory), with this process's unsharded static state."""
     import dataclasses
 
     import torch
 
-    from odc_hf.integrations.compute_path import DEVICE_HEADROOM, calibrate_memory
+    from odc_hf.integrations.activation_checkpointing import calibrate_memory
+    from odc_hf.integrations.compute_path import DEVICE_HEADROOM
 
     memory = calibrate_memory(model, device=device, dtype=dtype, kernels=kernels, loss=loss, tokens=tokens)
     params = float(sum(p.numel() * p.element_size() for p in model.parameters()))
@@ -135,6 +136,7 @@ def run_model(size: str, lengths: list[int], args: dict) -> dict:
     from odc_hf.balance.cost import FlopCostModel
     from odc_hf.balance.memory import checkpointed_indices, choose_checkpointing, describe_checkpointing
     from odc_hf.integrations import compute_path as cp
+    from odc_hf.integrations.activation_checkpointing import enable_checkpointing
 
     tiny = args["tiny"]
     device = torch.device("cpu" if tiny else "cuda")
@@ -174,7 +176,7 @@ def run_model(size: str, lengths: list[int], args: dict) -> dict:
     results, memory_models = [], {}
 
     def run(variant: str, loss: str, kernels: str, checkpointed: int, note: str = ""):
-        cp.enable_checkpointing(model, checkpointed)
+        enable_checkpointing(model, checkpointed)
         ac = describe_checkpointing(checkpointed, L)
         for name, docs in rows:
             r = measure(model, batches[name], loss, args["repeats"], device)

@@ -207,6 +207,7 @@ def _run(rank, world_size, args):
     began = time.monotonic()
     env = report.environment() if rank == 0 else None
     from odc_hf.balance.memory import describe_checkpointing
+    from odc_hf.integrations import activation_checkpointing as ac
     from odc_hf.integrations import compute_path as cp
 
     # A-C: TRL SFTTrainer's defaults (fused head, full AC; calibrated first, before any Liger patch). D: odc_hf's.
@@ -290,7 +291,7 @@ def _run(rank, world_size, args):
                 else:
                     microbatches = collator([[example(i) for i in mb] for mb in mine])
                 model, optimizer, odc, _ = models[model_of[v]]
-                cp.enable_checkpointing(model, checkpointed[v])
+                ac.enable_checkpointing(model, checkpointed[v])
                 rec = run_step(model, optimizer, odc, microbatches, global_labels, device, clock)
                 docs = [[min(int(ls[i]), budget) for i in mb] for mb in mine]
                 rec.update(variant=v, step=step, rank=rank, mb_tokens=[sum(d) for d in docs], mb_docs=docs)

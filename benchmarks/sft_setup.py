@@ -36,12 +36,13 @@ def sample_ids(seed: int, step: int, index: int, length: int, vocab: int) -> lis
 
 def compute_path(model, kernels: str, checkpointed: int) -> None:
     """A variant's compute path on a not yet sharded model: Liger kernels, TRL SFTTrainer's fused head, AC."""
+    from odc_hf.integrations import activation_checkpointing as ac
     from odc_hf.integrations import compute_path as cp
 
     if kernels == "liger":
         cp.apply_liger_kernels(model, fused_linear_cross_entropy=False)
     cp.install_fused_head(model, outputs=cp.SFT_HEAD_OUTPUTS)
-    cp.enable_checkpointing(model, checkpointed)
+    ac.enable_checkpointing(model, checkpointed)
 
 
 def calibrate_cost_model(rank, world_size, args, device, config, kernels="none", checkpointed=None):
@@ -83,6 +84,7 @@ def build_model(kind: str, config, device, args, kernels="none", checkpointing="
     from transformers import Qwen2ForCausalLM
 
     from odc_hf.fsdp import install_odc, shard_model, sum_reduction
+    from odc_hf.integrations import activation_checkpointing as ac
     from odc_hf.integrations import compute_path as cp
 
     torch.manual_seed(0)
@@ -92,7 +94,7 @@ def build_model(kind: str, config, device, args, kernels="none", checkpointing="
     compute_path(model, kernels, checkpointed)
     if checkpointing == "auto":  # what the ODC trainers do for the token budget (a collective: every rank runs it)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        path = cp.plan_checkpointing(cp.ComputePath(kernels=kernels, loss=cp.TRL_FUSED_HEAD), model, policy="auto",
+        path = ac.plan_checkpointing(cp.ComputePath(kernels=kernels, loss=cp.TRL_FUSED_HEAD), model, policy="auto",
                                      tokens=args.max_tokens, device=device, compute_dtype=dtype,
                                      world_size=torch.distributed.get_world_size(), odc=kind == "odc",
                                      device_memory_gib=None)  # fmt: skip

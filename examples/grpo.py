@@ -152,7 +152,7 @@ def train_one(args, loss_type: str, tokenizer, dataset):
     from trl import GRPOTrainer
 
     from odc_hf import ODCConfig, ODCGRPOConfig
-    from odc_hf.integrations.grpo import __getattr__ as grpo_lazy
+    from odc_hf.integrations.grpo_trainer import ODCGRPOTrainer
 
     output_dir = Path(args.output_dir) / loss_type
     model = build_model(args, tokenizer, output_dir)
@@ -182,7 +182,7 @@ def train_one(args, loss_type: str, tokenizer, dataset):
         odc_config = ODCConfig.from_env(balance=args.balance, cost_model=args.cost_model,
                                         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
                                         grpo_layout=args.grpo_layout, attention=args.attention)  # fmt: skip
-        trainer = grpo_lazy("ODCGRPOTrainer")(**kwargs, odc_config=odc_config)
+        trainer = ODCGRPOTrainer(**kwargs, odc_config=odc_config)
     else:
         trainer = GRPOTrainer(**kwargs)
     trainer.train()

@@ -8,6 +8,9 @@ from odc_hf.config import ODCConfig
 
 __version__ = "0.1.0"
 
+# The one lazy mechanism of odc_hf's classes: importing any odc_hf module runs this file first, and the planning
+# package (odc_hf.balance) must import without transformers, accelerate or TRL (tests/test_layering.py); the trainers
+# and accelerators below import them, so they load on first use.
 _LAZY = {
     "install_odc": "odc_hf.fsdp",
     "shard_model": "odc_hf.fsdp",
@@ -18,13 +21,13 @@ _LAZY = {
     "ODCMixin": "odc_hf.integrations.trainer",
     "ODCTrainer": "odc_hf.integrations.trainer",
     "make_odc_trainer": "odc_hf.integrations.trainer",
-    "ODCSFTTrainer": "odc_hf.integrations.trl",
-    "ODCGRPOTrainer": "odc_hf.integrations.grpo",
+    "ODCSFTTrainer": "odc_hf.integrations.sft_trainer",
+    "ODCGRPOTrainer": "odc_hf.integrations.grpo_trainer",
     "patch_trl": "odc_hf.integrations.trl",
     "unpatch_trl": "odc_hf.integrations.trl",
     "ODCTrainingArguments": "odc_hf.integrations.arguments",
-    "ODCSFTConfig": "odc_hf.integrations.trl_config",
-    "ODCGRPOConfig": "odc_hf.integrations.trl_config",
+    "ODCSFTConfig": "odc_hf.integrations.sft_config",
+    "ODCGRPOConfig": "odc_hf.integrations.grpo_config",
     "make_odc_arguments": "odc_hf.integrations.arguments",
 }
 

@@ -16,6 +16,7 @@ import difflib
 import logging
 import math
 import os
+from dataclasses import field
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ PEER_MEMORY_CHOICES = ("auto", "symmetric_memory", "ipc")  # odc_hf.transport.pe
 OTHER_ENV_VARIABLES = {
     "ODC_ACCUMULATE_MAX_CTAS": "the GPU transport's accumulate-kernel grid cap, odc_hf/transport/cuda.py",
     "ODC_EXPANDABLE_SEGMENTS": "0 keeps torch's default CUDA allocator, odc_hf/integrations/cuda_allocator.py",
-    "ODC_NO_RELAUNCH": "set in the processes odc_hf's launchers start, odc_hf/run.py",
+    "ODC_NO_RELAUNCH": "set in the processes odc_hf's relauncher starts, odc_hf/integrations/relaunch.py",
 }
 """The ``ODC_*`` variables odc_hf reads that are not ODCConfig fields, and where (every ``ODC_<FIELD>`` of ODCConfig
 is read by :meth:`ODCConfig.from_env`). With those, the one list of valid names: :func:`env_variables`."""
@@ -40,93 +41,114 @@ is read by :meth:`ODCConfig.from_env`). With those, the one list of valid names:
 class ODCConfig:
     """Options of On-Demand Communication and its load balancing.
 
+    Each field's ``help`` (its metadata) is its documentation, written once: the trainer arguments' ``--odc_<field>``
+    help (:mod:`odc_hf.integrations.arguments`) and the table of docs/configuration.md (checked against it by
+    ``tests/test_config_docs.py``) are made from it.
+
     The integer knobs (``max_tokens_per_microbatch``, ``attention_shape_bucket``, ``global_batch_size``,
     ``plan_ahead``) take an int, a whole float (``2048.0``, stored as 2048) or a string such as ``"2048"`` or ``"32k"``
     (k = 1024, as in the ``ODC_*`` variables): :func:`to_count`. Anything else (``True``, NaN, ``"abc"``) is refused
     with the field's name and an example. ``timeout_s`` and ``device_memory_gib`` take a number or its string.
-
-    Attributes:
-        enabled: use ODC (one-sided gathers / scatter-accumulates, one synchronisation per minibatch). When
-            False the trainer runs plain FSDP2 collectives with the same bundle data path (for A/B runs).
-        balance: how each global minibatch is split over ranks. ``lb_mini``: equal estimated compute per rank,
-            any number of microbatches per rank (needs ODC); ``lb_micro``: every rank the same number of
-            microbatches, balanced per microbatch index (works with collectives); ``none``: plain sharding.
-        cost_model: how a sample's compute is estimated from its length: ``flop`` (6*N*s + 6*L*d*s^2 from the
-            model config), ``tokens`` (linear), or the path of a JSON file with ``{"a": .., "b": .., "c": ..}`` and
-            optionally ``"floor"`` (``QuadraticCostModel.to_dict()`` of ``odc_hf.calibrate.calibrate``), or timings
-            to fit.
-        max_tokens_per_microbatch: token budget of one microbatch (the memory bound), a positive integer. ``None``:
-            the smallest budget that holds the worst-case microbatch of the trainer's layout (docs/configuration.md):
-            one packed row of the longest sample (SFT / Trainer), or TRL's own widest microbatch (GRPO:
-            ``per_device_train_batch_size`` rows of the widest padded row of the generation batch).
-        truncate: cut samples longer than the budget instead of raising.
-        timeout_s: how long a rank waits for its peers at the minibatch barrier before raising an error that
-            names them. Generous by default: a rank may legitimately run many more microbatches.
-        shm_dir: where the CPU transport and the control block put their shared-memory files (default
-            /dev/shm, or the temp directory when /dev/shm is too small).
-        log_timeline: write ``odc_timeline.png`` (per-rank busy/idle per step) to the output directory at the
-            end of training.
-        attention: the attention the ODC trainers give the model. ``auto``: transformers' ``flash_attention_4``
-            (FlashAttention-4 varlen, ``pip install 'odc_hf[kernels]'``) where it runs (installed, CUDA compute
-            capability >= 9.0, bf16/fp16 compute, a model that supports flash attention), else ``sdpa_varlen`` (CPU,
-            older GPUs, fp32); a model on another implementation than transformers' default ``sdpa`` (one its user
-            chose: ``eager``, ``flash_attention_2``, ...) keeps it. ``flash_attention_4`` / ``sdpa_varlen``: that one
-            (clear error when FA4 cannot run); ``model``: leave the model's own. docs/attention.md.
-        grpo_layout: ODCGRPOTrainer's training microbatches. ``packed``: prompt+completion sequences back to back
-            in one row per microbatch (per-sequence positions, varlen attention, no padding); ``padded``: TRL's
-            layout (prompts left-padded, completions right-padded); ``auto``: packed under FlashAttention(-4) and under
-            ``sdpa_varlen`` off CUDA; padded under ``sdpa_varlen`` on CUDA (padded rows ran faster there) and under
-            dense-mask attentions (``sdpa``, ``eager``) (docs/grpo.md).
-        attention_shape_bucket: for a model on ``attn_implementation="sdpa_varlen"``: pad each document's attention
-            inputs to a multiple of this many tokens, so cuDNN plans few shapes, all before training (0: exact
-            shapes). See docs/attention.md.
-        attention_varlen_kernel: for a model on ``"sdpa_varlen"`` on CUDA: one torch flash-varlen call per layer
-            instead of one SDPA call per document (slower on an H200; docs/attention.md).
-        activation_checkpointing: which decoder layers recompute their activations in backward. ``auto``: the
-            least recomputation whose predicted peak memory fits the device at the token budget (memory model
-            calibrated on the GPU; ``none`` on CPU); ``full``; ``none``; or a fraction such as ``"0.5"``: that share
-            of the decoder layers, spread evenly. The ODC trainers only (docs/performance.md).
-        device_memory_gib: the device memory ``auto`` plans against, in GiB (default: the GPU's total memory).
-            Lower it to leave room for something else on the GPU.
-        global_batch_size: samples per optimizer step, all ranks together (the global minibatch). ``None``: the
-            Trainer's ``per_device_train_batch_size x gradient_accumulation_steps x`` number of processes. Set it to
-            keep a run's batch whatever the number of ranks, e.g. to resume a checkpoint on a different number of
-            GPUs (docs/troubleshooting.md); ``per_device_train_batch_size`` then plays no part (LB-Mini gives each
-            rank a share by cost, not by count). SFT / Trainer path only (not GRPO).
-        kernels: Liger's Triton layer kernels (RMSNorm, SwiGLU, RoPE; ODCTrainer also its fused linear
-            cross-entropy). ``auto``: when ``liger-kernel`` is installed (``pip install odc_hf[kernels]``) and
-            training runs on CUDA; ``liger``: required (clear error otherwise; ``use_liger_kernel=True`` in the
-            training arguments means the same); ``none``: off.
-        plan_ahead: plan this many optimizer steps ahead in a background thread of the data loader (0: plan each
-            step when the loader asks for it). Planning 65,536 samples over 1,024 ranks takes 0.1-0.4 s; ahead, it
-            overlaps the training step instead of delaying it. Same plans either way.
-        cuda_peer_memory: how the CUDA transport's ranks map each other's buffers. ``auto``: torch symmetric memory
-            when every rank has a GPU of its own, CUDA IPC when ranks share a GPU (or symmetric memory is missing);
-            ``symmetric_memory`` or ``ipc`` to force one. Logged once. docs/transports.md.
-        deterministic: bit-identical accumulation on CUDA: every owner keeps one fp32 accumulator slot per sender
-            and sums them in rank order (as the CPU transport always does), instead of atomic adds in arrival
-            order. Costs ``world_size - 1`` more fp32 copies of each rank's trainable shard (docs/transports.md).
     """
 
-    enabled: bool = True
-    balance: str = "lb_mini"
-    cost_model: str = "flop"
-    max_tokens_per_microbatch: int | None = None
-    truncate: bool = False
-    timeout_s: float = 600.0
-    shm_dir: str | None = None
-    log_timeline: bool = True
-    attention_shape_bucket: int = 1024
-    attention_varlen_kernel: bool = False
-    activation_checkpointing: str = "auto"
-    device_memory_gib: float | None = None
-    kernels: str = "auto"
-    attention: str = "auto"
-    grpo_layout: str = "auto"
-    global_batch_size: int | None = None
-    plan_ahead: int = 0
-    cuda_peer_memory: str = "auto"
-    deterministic: bool = False
+    enabled: bool = field(default=True, metadata={"help": (
+        "Use ODC: one-sided gathers and scatter-accumulates, one synchronisation per minibatch. `False` runs plain "
+        "FSDP2 collectives with the same bundle data path and the same SUM-plus-global-normaliser semantics (an A/B "
+        "baseline).")})  # fmt: skip
+    balance: str = field(default="lb_mini", metadata={"help": (
+        "How each global minibatch is split over ranks (docs/balancing.md). `lb_mini`: equal estimated compute, any "
+        "number of microbatches per rank (needs `enabled=True`). `lb_micro`: the same number of microbatches on "
+        "every rank, balanced per microbatch index (works with collectives). `none`: sample `i` to rank `i mod W`, "
+        "padded with dummy microbatches to equal counts.")})  # fmt: skip
+    cost_model: str = field(default="flop", metadata={"help": (
+        "How a sample's compute is estimated from its length. `flop`: `FlopCostModel.from_config(model.config)`, "
+        "`6·N·s + 6·L·d_attn·s²`. `tokens`: linear in length. A path ending in `.json` holding `{\"a\", \"b\", "
+        "\"c\"}` and optionally `\"floor\"` (`QuadraticCostModel`: seconds per microbatch, per token, per token², "
+        "least seconds of any microbatch; `odc_hf.prediction.calibrate` writes one), or timings to fit: `{\"lengths\", "
+        "\"seconds\"}` (single documents) or `{\"microbatches\", \"seconds\"}` (a run's "
+        "`odc_microbatch_timings.json`).")})  # fmt: skip
+    max_tokens_per_microbatch: int | None = field(default=None, metadata={"help": (
+        "Token budget of one microbatch (the memory bound), a positive integer. `None`: the smallest budget that "
+        "holds the worst-case microbatch of the trainer's layout: the longest sample (SFT, Trainer: one packed "
+        "row), or TRL's own widest microbatch (GRPO: `per_device_train_batch_size` rows of the widest padded row "
+        "of the generation batch).")})  # fmt: skip
+    truncate: bool = field(default=False, metadata={"help": (
+        "Cut samples longer than the budget to the budget, instead of raising `ValueError` (how many, the longest, "
+        "and every way to set this) before training. Rank 0 logs once how many samples are cut. GRPO samples are "
+        "never truncated.")})  # fmt: skip
+    timeout_s: float = field(default=600.0, metadata={"help": (
+        "How long a rank waits at an ODC barrier before raising `PeerTimeoutError` that names the missing ranks. "
+        "Keep it generous: a rank may legitimately run many more microbatches than another.")})  # fmt: skip
+    shm_dir: str | None = field(default=None, metadata={"help": (
+        "Directory for the shared-memory files of the control block (both transports) and of the CPU transport's "
+        "buffers, an existing writable one. `None`: `/dev/shm` when it has room for the buffer plus 25%, otherwise "
+        "the temp directory.")})  # fmt: skip
+    log_timeline: bool = field(default=True, metadata={"help": (
+        "At the end of `train()`, the main process writes `<output_dir>/odc_timeline.png` (per-rank busy and "
+        "waiting time of the last 50 steps). Uses matplotlib (a dependency of odc_hf).")})  # fmt: skip
+    attention_shape_bucket: int = field(default=1024, metadata={"help": (
+        "For a model on `attn_implementation=\"sdpa_varlen\"`: each document's attention inputs are padded to a "
+        "multiple of this many tokens, so cuDNN meets few shapes and the trainer plans them all before training "
+        "(docs/attention.md). `0`: exact shapes.")})  # fmt: skip
+    attention_varlen_kernel: bool = field(default=False, metadata={"help": (
+        "For a model on `\"sdpa_varlen\"` on CUDA: one torch flash-varlen call per layer instead of one SDPA call "
+        "per document (slower on an H200, docs/attention.md).")})  # fmt: skip
+    activation_checkpointing: str = field(default="auto", metadata={"help": (
+        "Which decoder layers recompute their activations in backward (docs/performance.md). `auto`: the fewest "
+        "checkpointed layers whose predicted peak memory fits 0.9 x the GPU at the token budget (memory model "
+        "calibrated on the GPU with the run's kernels and loss; no checkpointing on CPU). `full`, `none`, or a "
+        "fraction such as `\"0.5\"`: that share of the decoder layers, spread evenly. The ODC SFT / plain trainers "
+        "only (GRPO keeps TRL's). Under `auto` a `gradient_checkpointing=True` you set in the training arguments "
+        "wins; otherwise odc_hf sets it to `False` (docs/configuration.md).")})  # fmt: skip
+    device_memory_gib: float | None = field(default=None, metadata={"help": (
+        "The device memory `activation_checkpointing=\"auto\"` plans against, in GiB. `None`: the GPU's total "
+        "memory (ranks sharing a GPU: their share of it). Lower it when something else shares the GPU.")})  # fmt: skip
+    kernels: str = field(default="auto", metadata={"help": (
+        "Liger's Triton kernels (RMSNorm, SwiGLU, RoPE; `ODCTrainer` also its fused linear cross-entropy), applied "
+        "before sharding. `auto`: when `liger-kernel` is installed (`pip install \"odc_hf[kernels]\"`) and "
+        "training runs on CUDA; `liger`: required, a clear error otherwise (`use_liger_kernel=True` in the "
+        "training arguments means the same); `none`: off.")})  # fmt: skip
+    attention: str = field(default="auto", metadata={"help": (
+        "The attention the ODC trainers give the model (and GRPO's reference model), through transformers' "
+        "`set_attn_implementation` (docs/attention.md). `auto`: transformers' `flash_attention_4` (FlashAttention-4 "
+        "varlen; `pip install \"odc_hf[kernels]\"`) where it runs: installed, CUDA compute capability >= 9.0, "
+        "bf16/fp16 compute (parameters or mixed precision), a model that supports flash attention; else "
+        "`sdpa_varlen` (CPU, older GPUs, fp32). `auto` replaces only transformers' default `sdpa` and odc_hf's "
+        "`sdpa_varlen`: a model on another implementation (`eager`, `flash_attention_2`, a hub kernel, ...) was "
+        "given it by its user and keeps it. `flash_attention_4` / `sdpa_varlen`: that one (`flash_attention_4` "
+        "raises where it cannot run, saying why); `model`: leave the model's own (packed rows on `sdpa` / `eager` "
+        "then log a warning: dense mask). The choice and why are logged once (rank 0), kept in "
+        "`trainer.odc_attention` and written to `odc_microbatch_timings.json` (`\"attention\"`) and the timeline's "
+        "title.")})  # fmt: skip
+    grpo_layout: str = field(default="auto", metadata={"help": (
+        "`ODCGRPOTrainer`'s training microbatches (docs/grpo.md). `packed`: each microbatch is one row of "
+        "prompt+completion sequences back to back (per-sequence positions, varlen attention, no padding; the "
+        "reference model's log-probs too); `padded`: TRL's layout (prompts left-padded, completions right-padded; "
+        "rounded to 128 columns on CUDA unless the attention is FlashAttention); `auto`: `packed` under "
+        "FlashAttention (`flash_attention_4`, ...) and under `sdpa_varlen` off CUDA; `padded` under `sdpa_varlen` "
+        "on CUDA, where padded rows measured faster, and under dense-mask attentions (`sdpa`, `eager`).")})  # fmt: skip
+    global_batch_size: int | None = field(default=None, metadata={"help": (
+        "Samples per optimizer step, all ranks together (the global minibatch). `None`: "
+        "`per_device_train_batch_size x gradient_accumulation_steps x` number of processes. Set it to keep the "
+        "run's batch whatever the number of ranks, e.g. to resume a checkpoint on a different number of GPUs "
+        "(docs/troubleshooting.md#resuming-from-a-checkpoint); `per_device_train_batch_size` then plays no part "
+        "(LB-Mini gives each rank a share by cost, not by count; rank 0 says so once, as a warning). The SFT / "
+        "plain trainers only: `ODCGRPOTrainer` refuses it (TRL sizes its generation batch from its own "
+        "arguments).")})  # fmt: skip
+    plan_ahead: int = field(default=0, metadata={"help": (
+        "Optimizer steps the data loader plans ahead in a background thread (`ODCBatchSampler(plan_ahead=...)`), "
+        "so a step's plan is ready when training asks for it: planning 65,536 samples over 1,024 ranks takes "
+        "0.1-0.4 s on one core, and `1` overlaps it with the previous step. The plans are the same (each is a pure "
+        "function of its step's samples). `0`: plan each step when asked. The SFT / Trainer path (`ODCTrainer`, "
+        "`ODCSFTTrainer`); GRPO plans each generation batch itself.")})  # fmt: skip
+    cuda_peer_memory: str = field(default="auto", metadata={"help": (
+        "How the CUDA transport's ranks map each other's buffers (docs/transports.md). `auto`: torch symmetric "
+        "memory when every rank has a GPU of its own, CUDA IPC when ranks share a GPU (or symmetric memory is "
+        "missing); `symmetric_memory` or `ipc` to force one. Logged once.")})  # fmt: skip
+    deterministic: bool = field(default=False, metadata={"help": (
+        "Bit-identical accumulation on CUDA: every owner keeps one fp32 accumulator slot per sender and sums them "
+        "in rank order (as the CPU transport always does), instead of atomic adds in arrival order. Costs "
+        "`world_size - 1` more fp32 copies of each rank's trainable shard (docs/transports.md).")})  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCE_MODES:
@@ -205,10 +227,10 @@ class ODCConfig:
         environ = os.environ if environ is None else environ
         warn_misspelt_variables(environ)
         values: dict[str, Any] = {}
-        for field in dataclasses.fields(cls):
-            raw = environ.get(f"ODC_{field.name.upper()}")
+        for option in dataclasses.fields(cls):
+            raw = environ.get(f"ODC_{option.name.upper()}")
             if raw is not None and raw != "":
-                values[field.name] = _parse(field, raw)
+                values[option.name] = _parse(option, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         raise SystemExit(f"odc_hf.run: {err}") from None
     from odc_hf.integrations.trl import patch_trl
-    from odc_hf.integrations.trl_config import ignore_upstream_deprecations
+    from odc_hf.integrations.upstream_warnings import ignore_upstream_deprecations
 
     patch_trl()
     ignore_upstream_deprecations()  # TRL's own defaults trigger them; nothing the user can change

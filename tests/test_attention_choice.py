@@ -16,6 +16,7 @@ from odc_hf.config import ODCConfig
 from odc_hf.integrations import attention_setup
 from odc_hf.integrations.attention_setup import (
     FLASH_ATTENTION_4,
+    AttentionChoice,
     choose_attention,
     fa4_problem,
     resolve_attention,
@@ -122,10 +123,11 @@ def test_flash_attention_4_comes_with_the_kernels_extra_only():
     (FLASH_ATTENTION_4, "cuda", True), (VARLEN_ATTENTION, "cpu", True), (VARLEN_ATTENTION, "cuda", False),
     ("sdpa", "cpu", False), ("eager", "cuda", False), ("flash_attention_2", "cuda", True)])  # fmt: skip
 def test_grpo_layout_auto_packs_under_varlen_attention_that_gains(implementation, device, packed):
-    from odc_hf.integrations.grpo import _GRPOPart
+    from odc_hf.integrations.grpo_trainer import _GRPOPart
 
     def layout(choice):
-        trainer = SimpleNamespace(odc_config=ODCConfig(grpo_layout=choice), odc_attention={"implementation": implementation},
+        trainer = SimpleNamespace(odc_config=ODCConfig(grpo_layout=choice),
+                                  odc_attention_choice=AttentionChoice("auto", implementation, ""),
                                   accelerator=SimpleNamespace(device=torch.device(device)))  # fmt: skip
         return _GRPOPart._odc_packed_layout(trainer)
 

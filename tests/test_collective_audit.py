@@ -154,7 +154,7 @@ def _grpo_rank(rank, world, output_dir, use_peft):
     from trl import GRPOConfig
 
     from odc_hf import ODCConfig
-    from odc_hf.integrations.grpo import __getattr__ as grpo_lazy
+    from odc_hf.integrations.grpo_trainer import ODCGRPOTrainer
     from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
@@ -172,7 +172,7 @@ def _grpo_rank(rank, world, output_dir, use_peft):
     costs = Path(output_dir) / f"quadratic_{rank}.json"
     costs.parent.mkdir(parents=True, exist_ok=True)
     costs.write_text('{"a": 0.0, "b": 1e-6, "c": 1e-5}')
-    trainer = _audited(grpo_lazy("ODCGRPOTrainer"), log)(
+    trainer = _audited(ODCGRPOTrainer, log)(
         model=tiny_qwen2_model(tokenizer), reward_funcs=arithmetic_reward, args=args,
         train_dataset=arithmetic_dataset(64, 0), processing_class=tokenizer,
         odc_config=ODCConfig(max_tokens_per_microbatch=80, cost_model=str(costs)), peft_config=_lora(use_peft),
@@ -222,7 +222,7 @@ TRAINER_STEP_END = [
 SFT_STEP = [
     ALLREDUCE,  # odc_hf: the minibatch's global label-token count (ODCMixin.get_batch_samples), the loss normaliser
     ALLGATHER,  # odc_hf: step statistics
-    ALLREDUCE,  # odc_hf: TRL's SFT metrics, summed once per step (_SFTMetrics.odc_after_bundle)
+    ALLREDUCE,  # odc_hf: TRL's SFT metrics, summed once per step (_SFTPart.odc_after_bundle)
     *TRAINER_STEP_END[1:],
 ]
 GRPO_STEP = [

@@ -20,7 +20,7 @@ from odc_hf.balance.memory import (
     layers_to_checkpoint,
 )
 from odc_hf.config import ODCConfig
-from odc_hf.integrations import compute_path
+from odc_hf.integrations import activation_checkpointing, compute_path
 from odc_hf.testing import run_ranks
 
 # microbatches per rank, per minibatch: uneven, and a rank with none
@@ -126,8 +126,8 @@ def test_selective_checkpointing_sets_the_chosen_layers_and_keeps_gradients():
     grads = {}
     for n in (0, 1, 2):
         model = tiny_qwen2()
-        compute_path.enable_checkpointing(model, n)
-        flags = [layer.gradient_checkpointing for layer in compute_path.decoder_layers(model)]
+        activation_checkpointing.enable_checkpointing(model, n)
+        flags = [layer.gradient_checkpointing for layer in activation_checkpointing.decoder_layers(model)]
         assert sum(flags) == n and flags == [i in checkpointed_indices(n, 2) for i in range(2)]
         loss_sum(model, ids).backward()
         grads[n] = {k: p.grad.clone() for k, p in model.named_parameters()}
@@ -143,7 +143,7 @@ def _odc_fused_run(rank, world_size):
     model = tiny_qwen2()
     assert compute_path.install_fused_head(model, outputs=compute_path.SFT_HEAD_OUTPUTS)  # SFTTrainer's head
     compute_path.guard_sharded_head(model)
-    compute_path.enable_checkpointing(model, 1)
+    activation_checkpointing.enable_checkpointing(model, 1)
     shard_model(model)
     odc = install_odc(model, timeout_s=60)
     out = []
@@ -233,7 +233,7 @@ def test_odc_sft_trainer_replaces_trl_default_checkpointing_with_auto(tmp_path):
     from datasets import Dataset
     from trl import SFTConfig
 
-    from odc_hf.integrations.trl import ODCSFTTrainer
+    from odc_hf.integrations.sft_trainer import ODCSFTTrainer
     from odc_hf.testing.data import default_tokenizer
 
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
@@ -246,7 +246,7 @@ def test_odc_sft_trainer_replaces_trl_default_checkpointing_with_auto(tmp_path):
     assert not trainer.args.gradient_checkpointing  # odc_hf's setting wins, and the Trainer leaves it alone
     trainer.get_train_dataloader()
     assert path.describe()["activation_checkpointing"] == "selective 1/2"
-    flags = [layer.gradient_checkpointing for layer in compute_path.decoder_layers(trainer.model)]
+    flags = [layer.gradient_checkpointing for layer in activation_checkpointing.decoder_layers(trainer.model)]
     assert flags == [False, True]
 
 
@@ -274,7 +274,7 @@ def test_calibration_copies_of_a_two_layer_model_build_with_four_layers():
     one-process CUDA run of a 2-layer model)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from odc_hf.integrations.compute_path import config_with_layers
+    from odc_hf.integrations.activation_checkpointing import config_with_layers
 
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
@@ -295,7 +295,8 @@ def test_calibration_copies_of_a_peft_model_keep_its_adapter(peft, tied):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from odc_hf.integrations.compute_path import TRL_FUSED_HEAD, small_copy
+    from odc_hf.integrations.activation_checkpointing import small_copy
+    from odc_hf.integrations.compute_path import TRL_FUSED_HEAD
 
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from odc_hf.balance.padded import pack_padded
-from odc_hf.integrations import grpo, grpo_batch
+from odc_hf.integrations import grpo_batch, trl_version
 from odc_hf.integrations.trl_version import TESTED_TRL
 
 
@@ -17,7 +17,7 @@ def test_private_grpo_surfaces_exist_on_the_installed_trl():
     import trl
     from trl.trainer.grpo_trainer import GRPOTrainer
 
-    for name in grpo.TRL_PRIVATE_METHODS:
+    for name in trl_version.GRPO_PRIVATE_METHODS:
         assert callable(getattr(GRPOTrainer, name, None)), name
     source = inspect.getsource(GRPOTrainer._compute_loss)
     # compute_loss: our weights ride in tool_mask (mask = completion_mask * tool_mask), dapo normalises by
@@ -38,7 +38,7 @@ def test_other_trl_versions_are_refused(monkeypatch):
 
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     with pytest.raises(RuntimeError, match="written for trl"):
-        grpo.check_trl_grpo(object())
+        trl_version.check_trl_grpo(object())
 
 
 def _weights(loss_type, mask, slices):

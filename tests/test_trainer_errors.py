@@ -76,10 +76,10 @@ def test_single_process_trains_without_odc_with_a_notice(tmp_path):
 
 
 def test_private_trainer_hooks_odc_hf_overrides_exist():
-    # odc_hf/integrations/checkpoint.py replaces these for the CPU-sharded path only; fail loudly if renamed.
+    # odc_hf/integrations/transformers_version.py lists the private Trainer methods odc_hf overrides or calls.
     from transformers import Trainer
 
-    from odc_hf.integrations.checkpoint import TRAINER_HOOKS
+    from odc_hf.integrations.transformers_version import TRAINER_HOOKS
 
     assert all(callable(getattr(Trainer, name, None)) for name in TRAINER_HOOKS)
 

@@ -1,9 +1,10 @@
 """ODC options as trainer arguments: ``odc_*`` fields on ``ODCTrainingArguments`` (here), ``ODCSFTConfig`` and
-``ODCGRPOConfig`` (``odc_hf.integrations.trl_config``).
+``ODCGRPOConfig`` (``odc_hf.integrations.sft_config``, ``odc_hf.integrations.grpo_config``).
 
 They are the knobs of :class:`odc_hf.ODCConfig`, one ``odc_<field>`` per field, written out in :class:`ODCArguments`
 so that argument parsers (``HfArgumentParser`` / ``TrlParser``: ``--odc_balance`` ...), ``--help`` and IDEs show them;
-``tests/test_trainer_arguments.py`` keeps the two in step. A field left at ``None`` (not set) falls back to the
+each takes its help from ODCConfig's field (:func:`odc_field`), and ``tests/test_trainer_arguments.py`` keeps the two
+in step. A field left at ``None`` (not set) falls back to the
 ``ODC_*`` environment variable, then to ODCConfig's default; an explicit ``odc_config=`` passed to the trainer wins
 over all of them.
 """
@@ -11,7 +12,6 @@ over all of them.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import field
 
 from transformers import TrainingArguments
 
@@ -21,66 +21,45 @@ from odc_hf.integrations import shared_gpu
 PREFIX = "odc_"
 
 
+def odc_field(name: str):
+    """The ``odc_<name>`` argument of ODCConfig's field ``name``: ``None`` (not set) by default, its help ODCConfig's
+    (the field's ``help`` metadata, written once there) with ODCConfig's default."""
+    option = ODCConfig.__dataclass_fields__[name]
+    text = f"ODC: {option.metadata['help']}"
+    if option.default is not None:
+        text += f" (ODCConfig's default: {option.default})"
+    return dataclasses.field(default=None, metadata={"help": text.replace("%", "%%")})  # argparse expands % in help
+
+
 @dataclasses.dataclass
 class ODCArguments:
     """The ``odc_*`` fields, mixed into an arguments dataclass; each ``None`` = not set (see the module docstring)."""
 
-    odc_enabled: bool | None = field(default=None, metadata={"help": (
-        "ODC: use On-Demand Communication (one-sided gathers / scatter-accumulates, one synchronisation per "
-        "minibatch); false runs plain FSDP2 collectives on the same data path (default true)")})  # fmt: skip
-    odc_balance: str | None = field(default=None, metadata={"help": (
-        "ODC: how each global minibatch is split over ranks: lb_mini (equal estimated compute, any number of "
-        "microbatches per rank; needs ODC), lb_micro (equal microbatch counts) or none (default lb_mini)")})  # fmt: skip
-    odc_cost_model: str | None = field(default=None, metadata={"help": (
-        "ODC: how a sample's compute is estimated from its length: flop, tokens, or a calibration .json "
-        "(default flop)")})  # fmt: skip
-    odc_max_tokens_per_microbatch: int | None = field(default=None, metadata={"help": (
-        "ODC: token budget of one microbatch (the memory bound); unset: the smallest budget that holds the "
-        "worst-case microbatch of the trainer's layout (docs/configuration.md)")})  # fmt: skip
-    odc_truncate: bool | None = field(default=None, metadata={"help": (
-        "ODC: cut samples longer than the budget instead of raising (default false)")})  # fmt: skip
-    odc_timeout_s: float | None = field(default=None, metadata={"help": (
-        "ODC: seconds a rank waits for its peers at the minibatch barrier before an error naming them "
-        "(default 600)")})  # fmt: skip
-    odc_shm_dir: str | None = field(default=None, metadata={"help": (
-        "ODC: directory of the shared-memory files (default /dev/shm, or the temp directory when it is too small)")})  # fmt: skip
-    odc_log_timeline: bool | None = field(default=None, metadata={"help": (
-        "ODC: write odc_timeline.png (per-rank busy/idle per step) to the output directory (default true)")})  # fmt: skip
-    odc_attention_shape_bucket: int | None = field(default=None, metadata={"help": (
-        "ODC: for attn_implementation=sdpa_varlen, pad each document's attention inputs to a multiple of this many "
-        "tokens so cuDNN plans few shapes; 0: exact shapes (default 1024)")})  # fmt: skip
-    odc_attention_varlen_kernel: bool | None = field(default=None, metadata={"help": (
-        "ODC: for attn_implementation=sdpa_varlen on CUDA, one flash-varlen call per layer instead of one SDPA "
-        "call per document (default false)")})  # fmt: skip
-    odc_activation_checkpointing: str | None = field(default=None, metadata={"help": (
-        "ODC: which decoder layers recompute activations in backward: auto (the least recomputation whose predicted "
-        "peak memory fits the GPU at the token budget; none on CPU), full, none, or a fraction such as 0.5 "
-        "(default auto)")})  # fmt: skip
-    odc_device_memory_gib: float | None = field(default=None, metadata={"help": (
-        "ODC: the device memory activation_checkpointing=auto plans against, in GiB (default: the GPU's total)")})  # fmt: skip
-    odc_kernels: str | None = field(default=None, metadata={"help": (
-        "ODC: Liger's Triton layer kernels: auto (when liger-kernel is installed and training runs on CUDA), "
-        "liger (required), none (default auto)")})  # fmt: skip
-    odc_attention: str | None = field(default=None, metadata={"help": (
-        "ODC: the model's attention: auto (flash_attention_4 where it runs: installed, CUDA capability >= 9.0, "
-        "bf16/fp16; else sdpa_varlen; a model on an implementation its user chose keeps it), flash_attention_4, "
-        "sdpa_varlen, or model (leave the model's own) (default auto)")})  # fmt: skip
-    odc_grpo_layout: str | None = field(default=None, metadata={"help": (
-        "ODC: GRPO training microbatches: packed (sequences back to back, no padding), padded (TRL's layout) or "
-        "auto (packed under flash attention, and under sdpa_varlen off CUDA) (default auto)")})  # fmt: skip
-    odc_global_batch_size: int | None = field(default=None, metadata={"help": (
-        "ODC: samples per optimizer step, all ranks together; unset: per_device_train_batch_size x "
-        "gradient_accumulation_steps x processes. Set it to resume on a different number of GPUs with the same "
-        "batch (SFT / Trainer only)")})  # fmt: skip
-    odc_plan_ahead: int | None = field(default=None, metadata={"help": (
-        "ODC: optimizer steps planned ahead in a background thread of the data loader, so planning overlaps "
-        "training (0: plan when asked; default 0)")})  # fmt: skip
-    odc_cuda_peer_memory: str | None = field(default=None, metadata={"help": (
-        "ODC: how the CUDA transport maps peers' buffers: auto (torch symmetric memory with one GPU per rank, CUDA "
-        "IPC when ranks share a GPU), symmetric_memory or ipc (default auto)")})  # fmt: skip
-    odc_deterministic: bool | None = field(default=None, metadata={"help": (
-        "ODC: bit-identical gradient accumulation on CUDA (one fp32 slot per sender, summed in rank order; "
-        "world_size times the accumulator memory) instead of atomics (default false)")})  # fmt: skip
+    # how ODC runs and balances
+    odc_enabled: bool | None = odc_field("enabled")
+    odc_balance: str | None = odc_field("balance")
+    odc_cost_model: str | None = odc_field("cost_model")
+    odc_max_tokens_per_microbatch: int | None = odc_field("max_tokens_per_microbatch")
+    odc_truncate: bool | None = odc_field("truncate")
+    # ranks and their shared memory
+    odc_timeout_s: float | None = odc_field("timeout_s")
+    odc_shm_dir: str | None = odc_field("shm_dir")
+    odc_log_timeline: bool | None = odc_field("log_timeline")
+    # attention
+    odc_attention_shape_bucket: int | None = odc_field("attention_shape_bucket")
+    odc_attention_varlen_kernel: bool | None = odc_field("attention_varlen_kernel")
+    # the microbatch compute path
+    odc_activation_checkpointing: str | None = odc_field("activation_checkpointing")
+    odc_device_memory_gib: float | None = odc_field("device_memory_gib")
+    odc_kernels: str | None = odc_field("kernels")
+    odc_attention: str | None = odc_field("attention")
+    odc_grpo_layout: str | None = odc_field("grpo_layout")
+    # batch and planning
+    odc_global_batch_size: int | None = odc_field("global_batch_size")
+    odc_plan_ahead: int | None = odc_field("plan_ahead")
+    # the CUDA transport
+    odc_cuda_peer_memory: str | None = odc_field("cuda_peer_memory")
+    odc_deterministic: bool | None = odc_field("deterministic")
 
     def __post_init__(self):
         # Ranks sharing a GPU (odc_hf.integrations.shared_gpu): gloo, before the base arguments start torch.distributed
@@ -109,4 +88,4 @@ def odc_config_from_args(args, environ=None) -> ODCConfig:
     return ODCConfig.from_env(environ, **overrides)
 
 
-__all__ = ["ODCArguments", "ODCTrainingArguments", "make_odc_arguments", "odc_config_from_args"]
+__all__ = ["ODCArguments", "ODCTrainingArguments", "make_odc_arguments", "odc_config_from_args", "odc_field"]

@@ -15,12 +15,20 @@ kept. ``attention="model"`` keeps whatever the model has (then packed rows on ``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Iterator, Mapping
 
 import torch
+from transformers import AttentionInterface
 
 import odc_hf.attention
+from odc_hf.integrations.transformers_version import (
+    attn_implementation,
+    is_flash_attn_4_available,
+    supports_flash_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +55,6 @@ def fa4_installed() -> bool:
 
     Imports nothing of FA4 (its first import takes ~8 s and needs a GPU); transformers imports it lazily at the
     first attention call."""
-    try:
-        from transformers.utils import is_flash_attn_4_available
-    except ImportError:  # a transformers without FA4 support
-        return False
     return bool(is_flash_attn_4_available())
 
 
@@ -66,19 +70,63 @@ def fa4_problem(device: torch.device | str, compute_dtype: torch.dtype | None, m
         return f"the GPU's compute capability is {capability[0]}.{capability[1]} and FA4 needs 9.0 (Hopper) or newer"
     if compute_dtype not in (torch.float16, torch.bfloat16):
         return "the attention computes in float32 (no bf16/fp16 parameters or mixed precision) and FA4 takes bf16/fp16"
-    if model is not None and not getattr(model, "_supports_flash_attn", False):
+    if model is not None and not supports_flash_attention(model):
         return f"{type(model).__name__} does not support transformers' flash attention"
     return None
 
 
 def is_varlen(name: str | None) -> bool:
     """Whether ``name`` is one of odc_hf's registered ``sdpa_varlen`` settings."""
-    from transformers import AttentionInterface
-
     try:
         return isinstance(AttentionInterface()[name], odc_hf.attention.VarlenAttention)
     except KeyError:
         return False
+
+
+def is_flash(name: str | None) -> bool:
+    """Whether ``name`` is one of transformers' FlashAttention implementations (``flash_attention_2``, ``_3``, ``_4``):
+    varlen kernels that unpad padded rows and run no masked attention."""
+    return str(name).startswith("flash_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionChoice(Mapping):
+    """``ODCConfig.attention`` resolved for a run (``trainer.odc_attention_choice``): what was asked, the
+    implementation the model (and a GRPO reference model) runs, and why. Read by attribute; also the mapping
+    ``{"choice", "implementation", "reason"}`` it is written as (:meth:`to_dict`: ``trainer.odc_attention``, the
+    run's ``odc_microbatch_timings.json``)."""
+
+    choice: str
+    implementation: str | None
+    reason: str
+
+    @property
+    def is_flash(self) -> bool:
+        """One of transformers' FlashAttention implementations (:func:`is_flash`)."""
+        return is_flash(self.implementation)
+
+    @property
+    def is_flash_attention_4(self) -> bool:
+        return self.implementation == FLASH_ATTENTION_4
+
+    @property
+    def is_varlen(self) -> bool:
+        """One of odc_hf's ``sdpa_varlen`` settings (per-document SDPA on packed rows)."""
+        return is_varlen(self.implementation)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __getitem__(self, key: str):
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.__dataclass_fields__)
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
 
 
 def resolve_attention(choice: str, current: str | None, problem: str | None, varlen_name: str) -> tuple[str, str]:
@@ -102,14 +150,14 @@ def resolve_attention(choice: str, current: str | None, problem: str | None, var
     return varlen_name, f"attention='auto': sdpa_varlen because {problem}"
 
 
-def choose_attention(trainer) -> dict:
+def choose_attention(trainer) -> AttentionChoice:
     """Set the model's (and a GRPO reference model's) attention from ``ODCConfig.attention``; log it once.
 
-    Runs at the end of the ODC trainer's ``__init__``. Returns what ``trainer.odc_attention`` records (the run's
-    metadata: ``odc_microbatch_timings.json``, the summary): ``{"choice", "implementation", "reason"}``."""
+    Runs at the end of the ODC trainer's ``__init__``. Returns the record the trainer keeps
+    (``trainer.odc_attention_choice``), the one source of the run's attention from then on."""
     config, accelerator = trainer.odc_config, trainer.accelerator
     model = accelerator.unwrap_model(trainer.model)
-    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    current = attn_implementation(model)
     param = next(model.parameters(), None)
     dtype = attention_dtype(accelerator.mixed_precision, param.dtype if param is not None else None)
     varlen_name = odc_hf.attention.register(odc_hf.attention.VarlenAttention(
@@ -118,7 +166,7 @@ def choose_attention(trainer) -> dict:
     name, reason = resolve_attention(config.attention, current, problem, varlen_name)
     for target in (model, getattr(trainer, "ref_model", None)):
         target = accelerator.unwrap_model(target) if target is not None else None
-        if target is not None and name is not None and target.config._attn_implementation != name:
+        if target is not None and name is not None and attn_implementation(target) != name:
             target.set_attn_implementation(name)
     if accelerator.is_main_process:  # once, not once per rank
         logger.info("odc_hf: attention %s (%s)", name, reason)
@@ -131,29 +179,29 @@ def choose_attention(trainer) -> dict:
                 'attn_implementation="sdpa_varlen" or "flash_attention_2".',
                 name,
             )
-    return {"choice": config.attention, "implementation": name, "reason": reason}
+    return AttentionChoice(choice=config.attention, implementation=name, reason=reason)
 
 
-def prepare_attention(trainer, budget: int | None) -> None:
+def prepare_attention(trainer, max_tokens_per_microbatch: int | None) -> None:
     """Before the first step, on a GPU: plan cuDNN's attention shapes of every length up to the token budget
-    (``sdpa_varlen``, :func:`odc_hf.attention.warm_up`; skipped when ``budget`` is None, as for GRPO, whose budget
-    comes with each generation) or compile FlashAttention-4's kernels (:func:`warm_up_flash`).
+    ``max_tokens_per_microbatch`` (``sdpa_varlen``, :func:`odc_hf.attention.warm_up`; skipped when it is None, as
+    for GRPO, whose budget comes with each generation) or compile FlashAttention-4's kernels (:func:`warm_up_flash`).
 
-    ``trainer``: an ODC trainer (its ``accelerator``, ``model`` and ``odc_config``); what ran lands in
+    ``trainer``: an ODC trainer (its ``accelerator``, ``model`` and ``odc_attention_choice``); what ran lands in
     ``trainer.odc_attention_warm_up`` (``{"kind", "shapes", "seconds", "dtype"}``)."""
-    accelerator = trainer.accelerator
+    accelerator, attention = trainer.accelerator, trainer.odc_attention_choice
     model = accelerator.unwrap_model(trainer.model)
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     param = next(model.parameters(), None)
     dtype = attention_dtype(accelerator.mixed_precision, param.dtype if param is not None else None)
     if accelerator.device.type != "cuda" or dtype is None:
         return
     start = time.perf_counter()
-    if odc_hf.attention.attention_of(model) is not None:
-        if budget is None:
+    if attention.is_varlen:
+        if max_tokens_per_microbatch is None:
             return
-        kind, shapes = "sdpa_varlen", odc_hf.attention.warm_up(model, budget, dtype=dtype, device=accelerator.device)
-    elif implementation == FLASH_ATTENTION_4:
+        shapes = odc_hf.attention.warm_up(model, max_tokens_per_microbatch, dtype=dtype, device=accelerator.device)
+        kind = "sdpa_varlen"
+    elif attention.is_flash_attention_4:
         kind, shapes = FLASH_ATTENTION_4, warm_up_flash(model, dtype=dtype, device=accelerator.device)
     else:
         return
@@ -173,8 +221,6 @@ def warm_up_flash(model: torch.nn.Module, *, dtype: torch.dtype, device: torch.d
     dtype, causal, varlen), not per sequence length; this makes that first call before step 1, so the step times
     do not carry it. Returns the number of calls (1), 0 without an attention layer. Parameters and the random
     number generators are not touched."""
-    from transformers import AttentionInterface
-
     module = next((m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "head_dim")), None)
     if module is None:
         return 0

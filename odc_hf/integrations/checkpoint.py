@@ -3,10 +3,10 @@
 The Trainer only knows how to save sharded optimizers for accelerate's FSDP; on the CPU path it would write
 rank 0's optimizer shard alone. These two functions replace the Trainer's private
 ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler`` for that path only (the mixin calls them;
-transformers 5.17 and 5.24 both have those names, checked by ``TRAINER_HOOKS`` and a test): the optimizer goes
+those names are in ``TRAINER_HOOKS``, odc_hf/integrations/transformers_version.py): the optimizer goes
 through torch.distributed.checkpoint (every rank writes its shard; DCP reshards on load, so a checkpoint of N ranks
-loads on M), the scheduler is written by the main process as the Trainer does. Model weights go through
-``ODCMixin.save_model`` (full state dict) and the Trainer loads them before sharding, so they need nothing here.
+loads on M), the scheduler is written by the main process as the Trainer does. Model weights are saved whole
+(:func:`save_full_model`, through ``ODCMixin.save_model``) and the Trainer loads them before sharding.
 
 A checkpoint that lacks what the run needs is an error naming the part and the checkpoint, never a silent fresh
 optimizer (the Trainer's own loader skips a missing ``optimizer.pt`` without a word).
@@ -16,20 +16,19 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-# Private Trainer methods the ODC trainers override (odc_hf/integrations/trainer.py); tests/test_trainer_errors.py
-# fails loudly if transformers renames one.
-TRAINER_HOOKS = (
-    "_save_optimizer_and_scheduler",
-    "_load_optimizer_and_scheduler",
-    "_issue_warnings_after_load",
-    "_save_checkpoint",
-    "_get_output_dir",
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
 )
+
+from odc_hf.integrations.transformers_version import TRAINING_ARGS_NAME
+
 OPTIMIZER_DIR = "odc_optimizer"
 DCP_METADATA = ".metadata"  # written last by dcp.save's coordinator, once every rank's shard is on disk
 SCHEDULER_NAME = "scheduler.pt"
@@ -52,6 +51,28 @@ class CheckpointPartMissing(FileNotFoundError):
 
 def _optimizer(trainer):
     return getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+
+
+def save_full_model(trainer, output_dir: str) -> None:
+    """What ``Trainer.save_model`` writes, on the CPU path: a full state dict gathered on every rank (a collective),
+    written from the main process with the processing class and ``training_args.bin``."""
+    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Tied parameters (lm_head / embed_tokens) come back as two gathered copies, which save_pretrained cannot
+    # recognise as one tensor: make them one again, so that it drops the tied name as it does for its own
+    # state dict (the model's _tied_weights_keys decide which).
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    first_name: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first = first_name.setdefault(id(param), name)
+        if first != name and first in state and name in state:
+            state[name] = state[first]
+    if trainer.accelerator.is_main_process:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(output_dir, state_dict=state)
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(output_dir)
+        torch.save(trainer.args, Path(output_dir) / TRAINING_ARGS_NAME)  # as Trainer._save: tools read it
+    trainer.accelerator.wait_for_everyone()
 
 
 def save_optimizer_and_scheduler(trainer, output_dir: str) -> None:

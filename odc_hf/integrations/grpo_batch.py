@@ -7,7 +7,7 @@ reads. With ``packed=True`` it adds the row the model really runs on (:func:`pac
 back, no padding, and the index that puts the row's per-token log-probs back into TRL's (rows, completion columns)
 layout, where TRL's loss code then runs unchanged. Which samples go in which microbatch is planned by
 :func:`odc_hf.balance.padded.plan_padded` (padded) or the packed planners (``odc_hf.balance.planner``); the trainer is
-``odc_hf.integrations.grpo``.
+``odc_hf.integrations.grpo_trainer``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from odc_hf.balance.padded import padded_width
+from odc_hf.integrations.attention_setup import is_flash
 from odc_hf.integrations.bundle import Bundle
 
 __all__ = ["CUDA_PAD_TO_MULTIPLE_OF", "GRPOBundle", "PACKED_KEY", "SUPPORTED_LOSS_TYPES", "collate", "pack_rows",
@@ -118,7 +119,7 @@ def padded_columns_multiple(device_type: str, implementation: str | None) -> int
     unpads the rows and runs no masked kernel, so its padded rows keep their exact width (on one H200, 64 GRPO-like
     sequences: 101,360 padded tokens instead of 103,168, and 2.11 s instead of 2.16 s of fwd+bwd on FA4).
     """
-    if device_type != "cuda" or str(implementation).startswith("flash_attention"):
+    if device_type != "cuda" or is_flash(implementation):
         return 1
     return CUDA_PAD_TO_MULTIPLE_OF
 

@@ -74,7 +74,7 @@ class SliceMetrics:
             raise RuntimeError(
                 f"TRL's GRPO _compute_loss reduced {len(recorder.reduced)} and gathered {len(recorder.gathered)} "
                 f"metrics, odc_hf expects {len(self.means)} ({', '.join(self.means)}) and {len(CLIP_EXTREMES)}: "
-                "its metric code changed (see TESTED_TRL in odc_hf/integrations/trl.py)"
+                "its metric code changed (see TESTED_TRL in odc_hf/integrations/trl_version.py)"
             )
         for k, pair in enumerate(recorder.reduced):
             self.sums[slice_index, k] += pair.cpu()

@@ -31,8 +31,6 @@ import os
 import re
 
 from accelerate.utils import DistributedType
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from odc_hf.integrations.checkpoint import (
     OPTIMIZER_DIR,
@@ -40,6 +38,7 @@ from odc_hf.integrations.checkpoint import (
     check_model_files,
     check_sharded_parts,
 )
+from odc_hf.integrations.transformers_version import PREFIX_CHECKPOINT_DIR, TRAINER_STATE_NAME
 
 logger = logging.getLogger(__name__)
 

@@ -2,13 +2,19 @@
 
 They run where the data enters (``ODCMixin.get_train_dataloader``, before any step; the emptiness check also in the
 trainer's ``__init__``, before TRL reads the first row): an empty dataset, a dataset with no sample longer than one
-token (nothing to train on), a dataset smaller than one global minibatch that ``dataloader_drop_last`` would drop whole (the Trainer would then run zero
-steps), and samples longer than the token budget.
+token (nothing to train on), a dataset smaller than one global minibatch that ``dataloader_drop_last`` would drop
+whole (the Trainer would then run zero steps), and samples longer than the token budget of one microbatch, which is
+resolved here (:func:`resolve_max_tokens`: one function for every trainer, each with its rule) and checked once.
 """
 
 from __future__ import annotations
 
 import logging
+
+import torch
+
+from odc_hf.balance import padded_microbatch_width
+from odc_hf.config import ODCConfig
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +28,6 @@ TRUNCATE_SETTINGS = (
 
 def train_lengths(dataset) -> list[int]:
     """Token count of every sample of a map-style training dataset with an ``input_ids`` column."""
-    import torch
-
     if dataset is None:
         raise ValueError("Trainer: training requires a train_dataset")
     if isinstance(dataset, torch.utils.data.IterableDataset):
@@ -85,14 +89,40 @@ def check_minibatch_fits(num_samples: int, *, per_device: int, accumulation: int
         )
 
 
-def check_budget(lengths: list[int], budget: int, *, truncate: bool, is_main_process: bool) -> None:
-    """Samples longer than the token budget: an error naming every way to truncate, or (truncating) one log line."""
-    too_long = [n for n in lengths if n > budget]
+def packed_worst_case(lengths: list[int]) -> int:
+    """The budget rule of the packed layout (SFT, Trainer): a microbatch is one packed row, so the smallest budget
+    that holds every possible microbatch is the longest sample's."""
+    return max(lengths)
+
+
+def padded_worst_case(lengths: list[int], prompts: list[int], *, rows: int, multiple: int) -> int:
+    """The budget rule of GRPO's layout: TRL's own widest microbatch, ``rows`` (``per_device_train_batch_size``) rows
+    of the widest padded row these samples (prompt + completion ``lengths``, of which ``prompts``) could form, its
+    columns rounded to ``multiple``."""
+    return rows * padded_microbatch_width(prompts, [n - p for n, p in zip(lengths, prompts)], multiple)
+
+
+def resolve_max_tokens(config: ODCConfig, lengths: list[int], worst_case: int, *, truncatable: bool = True,
+                       is_main_process: bool = True) -> int:  # fmt: skip
+    """The token budget of one microbatch, ``max_tokens_per_microbatch``, for training samples of ``lengths``:
+    ``ODCConfig.max_tokens_per_microbatch`` (validated where it entered, in ODCConfig), else ``worst_case``, the
+    trainer's rule (:func:`packed_worst_case`, :func:`padded_worst_case`; docs/configuration.md). Samples longer
+    than it are checked here, once: an error naming every way to raise it, and, where the trainer truncates
+    (``truncatable``, SFT / Trainer), to truncate, or with ``ODCConfig.truncate`` one log line. From here on the
+    value is passed on trusted (attention warm-up, checkpointing, the sampler and the collator)."""
+    max_tokens = config.max_tokens_per_microbatch or worst_case
+    too_long = [n for n in lengths if n > max_tokens]
     if not too_long:
-        return
-    if not truncate:
+        return max_tokens
+    if not truncatable:
         raise ValueError(
-            f"{len(too_long)} of {len(lengths)} training samples are longer than max_tokens_per_microbatch={budget} "
+            f"a prompt + completion has {max(lengths)} tokens, more than max_tokens_per_microbatch={max_tokens}; raise "
+            "it (ODCConfig.max_tokens_per_microbatch, --odc_max_tokens_per_microbatch, ODC_MAX_TOKENS_PER_MICROBATCH) "
+            "or unset it (then TRL's own widest microbatch); GRPO samples are never truncated"
+        )  # fmt: skip
+    if not config.truncate:
+        raise ValueError(
+            f"{len(too_long)} of {len(lengths)} training samples are longer than max_tokens_per_microbatch={max_tokens} "
             f"(the longest has {max(too_long)} tokens). Raise the budget (ODCConfig.max_tokens_per_microbatch, "
             "--odc_max_tokens_per_microbatch, ODC_MAX_TOKENS_PER_MICROBATCH), filter the data, or cut them to the "
             f"budget with {TRUNCATE_SETTINGS}"
@@ -100,9 +130,10 @@ def check_budget(lengths: list[int], budget: int, *, truncate: bool, is_main_pro
     if is_main_process:
         logger.warning(
             "odc_hf: truncating %d of %d training samples to max_tokens_per_microbatch=%d tokens (the longest has "
-            "%d); their tokens beyond the budget are not trained on", len(too_long), len(lengths), budget,
+            "%d); their tokens beyond the budget are not trained on", len(too_long), len(lengths), max_tokens,
             max(too_long),
         )  # fmt: skip
+    return max_tokens
 
 
 def warn_no_label_tokens(step: int, mask_keys: tuple[str, ...]) -> None:

@@ -17,64 +17,52 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import json
 import logging
 import time
-from pathlib import Path
 
 import torch
-from accelerate.utils import send_to_device
+import transformers
+from accelerate.utils import DistributedType, send_to_device
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
-from odc_hf.balance import FlopCostModel, ODCBatchSampler, QuadraticCostModel, TokenCostModel
+from odc_hf.balance import ODCBatchSampler
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import is_sharded
-from odc_hf.integrations import compute_path, cuda_allocator, parallelism, shared_gpu
+from odc_hf.integrations import (
+    activation_checkpointing,
+    compute_path,
+    cuda_allocator,
+    parallelism,
+    shared_gpu,
+)
 from odc_hf.integrations.accelerator import (
     adopt,
     check_cpu_ranks_have_no_gpu_to_pick,
     check_launch_before_accelerate,
 )
-from odc_hf.integrations.attention_setup import choose_attention, prepare_attention
+from odc_hf.integrations.arguments import odc_config_from_args
+from odc_hf.integrations.attention_setup import AttentionChoice, choose_attention, prepare_attention
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
-from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
+from odc_hf.integrations.checkpoint import save_full_model
 from odc_hf.integrations.failures import failure_guard
 from odc_hf.integrations.launch_config import check_fsdp_config
+from odc_hf.integrations.planning import cost_model
 from odc_hf.integrations.plugin import as_odc_plugin, refuse_other_engines
-from odc_hf.integrations.stats import MicrobatchClock, RunStats, StepStats, document_lengths, plot_timeline
+from odc_hf.integrations.stats import MicrobatchClock, RunStats, document_lengths
 from odc_hf.integrations.train_data import (
-    check_budget,
     check_minibatch_fits,
     check_not_empty,
+    packed_worst_case,
+    resolve_max_tokens,
     train_lengths,
     warn_no_label_tokens,
 )
+from odc_hf.integrations.trainer_checkpoint import CheckpointPart
+from odc_hf.integrations.trainer_observability import LocalGathers, ObservabilityPart
+from odc_hf.integrations.transformers_version import check_trainer
 
 logger = logging.getLogger(__name__)
-
-
-class _LocalGathers:
-    """Stands in for the Accelerator inside the bundle loop: metric gathers stay local.
-
-    Libraries (TRL's ``compute_loss``) gather or reduce metrics once per microbatch; with uneven microbatch counts those
-    collectives would pair up different microbatches or deadlock. Inside the loop they return the local value;
-    the trainer aggregates once per step instead. Everything else goes to the real Accelerator.
-    """
-
-    def __init__(self, accelerator):
-        self._accelerator = accelerator
-
-    def gather_for_metrics(self, tensor, use_gather_object=False):
-        return tensor.reshape(1) if isinstance(tensor, torch.Tensor) and tensor.dim() == 0 else tensor
-
-    gather = gather_for_metrics
-
-    def reduce(self, tensor, reduction="sum", scale=1.0):  # TRL GRPO's global_masked_mean: local sums
-        return tensor * scale if scale != 1.0 else tensor
-
-    def __getattr__(self, name):
-        return getattr(self._accelerator, name)
 
 
 class _ODCCallback(TrainerCallback):
@@ -90,37 +78,48 @@ class _ODCCallback(TrainerCallback):
         self.trainer.odc_finish_run()
 
 
-class ODCMixin:
-    """Mix into a ``transformers.Trainer`` subclass: ``make_odc_trainer(SFTTrainer)`` or ``ODCTrainer``."""
+class ODCMixin(CheckpointPart, ObservabilityPart):
+    """Mix into a ``transformers.Trainer`` subclass: ``ODCTrainer``, ``make_odc_trainer(MyTrainer)``.
+
+    Reads top to bottom: setup (``__init__``, the accelerator, the run), data (the planned bundles), one optimizer
+    step (``training_step`` over the bundle, the loss), save. The checkpoint cycle and the statistics are its two
+    parts (:class:`~odc_hf.integrations.trainer_checkpoint.CheckpointPart`,
+    :class:`~odc_hf.integrations.trainer_observability.ObservabilityPart`)."""
 
     odc_compute_path = False
     """Whether odc_hf sets up the microbatch compute path (kernels, fused loss, activation checkpointing; see
-    ``compute_path``). ``make_odc_trainer`` classes do; GRPO keeps TRL's own."""
+    ``compute_path``). ``ODCTrainer``, ``ODCSFTTrainer`` and ``make_odc_trainer`` classes do; GRPO keeps TRL's own."""
 
+    odc_sampler_class: type[ODCBatchSampler] = ODCBatchSampler
+    """The batch sampler that cuts each epoch into global minibatches and plans every step over the ranks. Set a
+    subclass (overriding ``plan(step)``, say) on your trainer class to plan differently; every rank must get the same
+    plans from the same arguments, without communicating."""
+
+    odc_global_batch_option = True
+    """Whether ``ODCConfig.global_batch_size`` can set this trainer's samples per optimizer step."""
+
+    # -- setup -------------------------------------------------------------------------------------
     def __init__(self, *args, odc_config: ODCConfig | None = None, **kwargs):
         training_args = self._odc_argument("args", args, kwargs)  # GRPO's is 3rd, not 2nd
         # before the base trainer's first barrier (TRL prepares its dataset "main process first")
         check_cpu_ranks_have_no_gpu_to_pick(use_cpu=bool(getattr(training_args, "use_cpu", False)))
         shared_gpu.check_backend()  # ranks sharing a GPU: the arguments must have started gloo, not NCCL
+        check_trainer(type(self))  # the private Trainer methods overridden below exist in this transformers
         if getattr(training_args, "use_liger_kernel", False):  # where the base trainer applies Liger itself (GRPO)
             compute_path.pin_liger_rope()
         if odc_config is None:  # trainer arguments' odc_* fields, then ODC_* variables, then defaults
-            from odc_hf.integrations.arguments import odc_config_from_args
-
             odc_config = odc_config_from_args(training_args)
         self.odc_config = odc_config
         self.odc_stats = RunStats()
         self.odc_microbatch_timings: list[tuple[list[int], float]] = []
         self.odc_attention_warm_up: dict | None = None  # {"kind", "shapes", "seconds", "dtype"} once a warm-up ran
-        self.odc_attention: dict | None = None  # {"choice", "implementation", "reason"}: ODCConfig.attention resolved
+        self.odc_attention_choice: AttentionChoice | None = None  # ODCConfig.attention resolved, after the base init
         self.odc_compute: compute_path.ComputePath | None = None
-        self.odc_dataset: dict | None = None  # the training data's size and fingerprint, for checkpoints
-        self._odc_resume_checkpoint: str | None = None  # the checkpoint train() resumes from
         # before the base trainer reads the first row (TRL's SFTTrainer: a bare StopIteration on an empty dataset)
         check_not_empty(self._odc_argument("train_dataset", args, kwargs))
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
-        self.odc_attention = choose_attention(self)
+        self.odc_attention_choice = choose_attention(self)
         if self.odc_compute_path:
             self.odc_compute = compute_path.setup(self)
         device = self.accelerator.device
@@ -135,28 +134,6 @@ class ODCMixin:
             return None
         return bound.arguments.get(name)
 
-    def odc_base_fused_head(self) -> bool:
-        """Hook: True where the base trainer's ``compute_loss`` runs TRL's fused LM head itself (SFTTrainer)."""
-        return False
-
-    def odc_base_loss_is_plain(self) -> bool:
-        """Whether the trainer below the mixin computes the loss as ``transformers.Trainer`` does (the model's own)."""
-        return getattr(super().compute_loss, "__func__", None) is Trainer.compute_loss
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.odc_compute is not None and self.odc_compute.fused_by_odc and model.training and not return_outputs:
-            return compute_path.fused_head_loss(model, inputs, num_items_in_batch)
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-
-    odc_sampler_class: type[ODCBatchSampler] = ODCBatchSampler
-    """The batch sampler that cuts each epoch into global minibatches and plans every step over the ranks. Set a
-    subclass (overriding ``plan(step)``, say) on your trainer class to plan differently; every rank must get the same
-    plans from the same arguments, without communicating."""
-
-    odc_global_batch_option = True
-    """Whether ``ODCConfig.global_batch_size`` can set this trainer's samples per optimizer step."""
-
-    # -- setup -------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self):
         self.args = args = copy.copy(self.args)  # the user's object stays as they made it
         if self.odc_config.global_batch_size is not None and not self.odc_global_batch_option:
@@ -180,8 +157,6 @@ class ODCMixin:
         with parallelism.hidden_from_accelerate(held is not None):
             super().create_accelerator_and_postprocess()
         if self.odc_plugin is None:
-            import transformers
-
             raise RuntimeError(
                 f"transformers {transformers.__version__}: Trainer.create_accelerator_and_postprocess no longer builds "
                 "its accelerator through Trainer._build_accelerator_args, where odc_hf gives it its ODCFSDPPlugin"
@@ -225,26 +200,25 @@ class ODCMixin:
     def odc(self):
         return getattr(self.accelerator, "odc", None)
 
-    def _odc_cost_model(self):
-        choice = self.odc_config.cost_model
-        if choice == "flop":
-            config = self.accelerator.unwrap_model(self.model).config
-            return FlopCostModel.from_config(config)
-        if choice == "tokens":
-            return TokenCostModel()
-        data = json.loads(Path(choice).read_text())
-        compute_path.check_recorded(data, getattr(self, "odc_compute", None), choice)
-        if all(k in data for k in "abc"):
-            return QuadraticCostModel.from_dict(data)
-        if "lengths" in data and "seconds" in data:  # raw timings: fit them
-            return QuadraticCostModel.fit(data["lengths"], data["seconds"])
-        if "microbatches" in data and "seconds" in data:  # a run's odc_microbatch_timings.json
-            return QuadraticCostModel.fit_microbatches(data["microbatches"], data["seconds"])
-        raise ValueError(
-            f"{choice}: expected a JSON object with a, b, c and optionally floor (or lengths and seconds, or "
-            "microbatches and seconds, to fit)"
-        )
+    @property
+    def odc_attention(self) -> dict | None:
+        """The run's attention as written to JSON, ``{"choice", "implementation", "reason"}`` (the record:
+        ``odc_attention_choice``)."""
+        return None if self.odc_attention_choice is None else self.odc_attention_choice.to_dict()
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``Trainer.train`` under :func:`odc_hf.failure_guard`: an exception anywhere in a step (microbatches,
+        clipping, optimizer step, logging, evaluation, saving) reaches every peer within a second, with its text.
+        A checkpoint to resume from is checked first (:mod:`odc_hf.integrations.resume`)."""
+        resume_from_checkpoint = self._odc_resolve_resume(resume_from_checkpoint)
+        with failure_guard(lambda: self.odc):
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with failure_guard(lambda: self.odc):
+            return super().evaluate(*args, **kwargs)
+
+    # -- data: one bundle of planned microbatches per rank per optimizer step --------------------
     def get_train_dataloader(self) -> DataLoader:
         dataset = self.train_dataset
         lengths = train_lengths(dataset)  # raises, saying what to change, on an empty or unusable dataset
@@ -254,21 +228,21 @@ class ODCMixin:
         check_minibatch_fits(len(lengths), per_device=self.args.per_device_train_batch_size, world=world,
                              accumulation=self.odc_folded_accumulation, drop_last=self.args.dataloader_drop_last,
                              global_batch_size=self.odc_config.global_batch_size)  # fmt: skip
-        # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
-        # layout, one packed row (docs/configuration.md), i.e. the longest sample.
-        budget = self.odc_config.max_tokens_per_microbatch or max(lengths)
-        check_budget(lengths, budget, truncate=self.odc_config.truncate, is_main_process=self.accelerator.is_main_process)
-        self._odc_check_attention(budget)
-        if self.odc_compute is not None:
-            compute_path.plan(self, budget)  # activation checkpointing for this budget, before prepare()
+        # the budget of one microbatch, resolved and checked against the samples once, then passed on trusted
+        max_tokens_per_microbatch = resolve_max_tokens(self.odc_config, lengths, packed_worst_case(lengths),
+                                                       is_main_process=self.accelerator.is_main_process)  # fmt: skip
+        prepare_attention(self, max_tokens_per_microbatch)  # the attention's warm-up on a GPU, before step 1
+        if self.odc_compute is not None:  # activation checkpointing for this budget, before prepare()
+            activation_checkpointing.plan(self, max_tokens_per_microbatch)
+        config = self.odc_config
         sampler = self.odc_sampler_class(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_global_batch_size,
-            max_tokens_per_microbatch=budget, mode=self.odc_config.balance, cost_model=self._odc_cost_model(),
-            seed=self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last,
-            truncate=self.odc_config.truncate, plan_ahead=self.odc_config.plan_ahead,
+            max_tokens_per_microbatch=max_tokens_per_microbatch, mode=config.balance, cost_model=self._odc_cost_model(),
+            seed=self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last, truncate=config.truncate,
+            plan_ahead=config.plan_ahead,
         )  # fmt: skip
         pad = getattr(self.processing_class, "pad_token_id", None)
-        collator = TrainerBundleCollator(max_tokens_per_microbatch=budget, truncate=self.odc_config.truncate,
+        collator = TrainerBundleCollator(max_tokens_per_microbatch=max_tokens_per_microbatch, truncate=config.truncate,
                                          pad_token_id=pad if pad is not None else 0, mask_keys=self.odc_mask_keys())  # fmt: skip
         self.odc_sampler = sampler
         # No pin_memory: torch's pinning rebuilds Mapping batches as their type from a dict, which a Bundle is
@@ -276,43 +250,16 @@ class ODCMixin:
         return BundleLoader(BundleDataset(dataset), batch_sampler=sampler, collate_fn=collator,
                             num_workers=self.args.dataloader_num_workers)  # fmt: skip
 
-    def odc_note_dataset(self, num_samples: int, lengths: list[int] | None = None) -> None:
-        """Record the training data's size (and its samples' token counts' fingerprint) for the checkpoints; resuming,
-        warn when it is not the checkpoint's (:func:`odc_hf.integrations.resume.check_dataset`)."""
-        from odc_hf.integrations import resume
-
-        self.odc_dataset = resume.dataset_record(num_samples, lengths)
-        if self._odc_resume_checkpoint is not None:
-            resume.check_dataset(self, self._odc_resume_checkpoint, self.odc_dataset)
-
-    def _odc_check_attention(self, budget: int) -> None:
-        """The attention's warm-up on a GPU (cuDNN plans of sdpa_varlen, FA4's kernel compilation) before step 1
-        (:func:`odc_hf.integrations.attention_setup.prepare_attention`)."""
-        prepare_attention(self, budget)
-
     def odc_mask_keys(self) -> tuple[str, ...]:
         """Example columns whose zeros mask labels (TRL's trainer narrows this to what its settings enable)."""
         return MASK_KEYS
 
-    # -- failure reporting -------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """``Trainer.train`` under :func:`odc_hf.failure_guard`: an exception anywhere in a step (microbatches,
-        clipping, optimizer step, logging, evaluation, saving) reaches every peer within a second, with its text.
-        A checkpoint to resume from is checked first (:mod:`odc_hf.integrations.resume`)."""
-        from odc_hf.integrations import resume
+    def _odc_cost_model(self):
+        """``ODCConfig.cost_model`` as a cost model (:func:`odc_hf.integrations.planning.cost_model`)."""
+        choice = self.odc_config.cost_model
+        model = self.accelerator.unwrap_model(self.model) if choice == "flop" else None
+        return cost_model(choice, model, getattr(self, "odc_compute", None))
 
-        if resume_from_checkpoint:  # True: the last COMPLETE checkpoint of the output directory
-            resume_from_checkpoint = resume.resolve(self, resume_from_checkpoint)
-        resuming = isinstance(resume_from_checkpoint, str)
-        self._odc_resume_checkpoint = resume_from_checkpoint if resuming else None
-        with failure_guard(lambda: self.odc):
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def evaluate(self, *args, **kwargs):
-        with failure_guard(lambda: self.odc):
-            return super().evaluate(*args, **kwargs)
-
-    # -- one optimizer step ------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         try:
             bundle = next(epoch_iterator)
@@ -326,6 +273,7 @@ class ODCMixin:
             warn_no_label_tokens(self.state.global_step + 1, self.odc_mask_keys())
         return [bundle], total.clamp(min=1)
 
+    # -- one optimizer step ------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not isinstance(inputs, Bundle):
             raise TypeError("ODC trainers train on bundles from get_train_dataloader(); got a plain batch")
@@ -335,7 +283,7 @@ class ODCMixin:
         loss_sum = torch.zeros((), device=device)
         snapshot = self.odc_before_bundle()
         real_accelerator = self.accelerator
-        self.accelerator = _LocalGathers(real_accelerator)
+        self.accelerator = LocalGathers(real_accelerator)
         guard = self.odc.failure_guard() if self.odc is not None else contextlib.nullcontext()
         clock = MicrobatchClock(device) if self._odc_time_microbatches() else None
         try:
@@ -368,26 +316,6 @@ class ODCMixin:
         # what the ranks return) and its final train_loss (which adds rank 0's own unlogged remainder) both read it.
         return global_loss
 
-    ODC_MAX_TIMINGS = 20_000
-    """Microbatch timings kept per rank for ``odc_microbatch_timings.json`` (the most recent)."""
-    ODC_TIMING_WARMUP_STEPS = 2
-    """Optimizer steps whose microbatches are not timed (kernel compilation, allocator warm-up)."""
-
-    def _odc_time_microbatches(self) -> bool:
-        return self.odc is not None and self.state.global_step >= self.ODC_TIMING_WARMUP_STEPS
-
-    def _odc_record(self, busy: float, wait: float, bundle: Bundle, loss_sum: torch.Tensor) -> torch.Tensor:
-        """Gather every rank's step statistics and loss (the step's one gather); returns the step's global loss.
-
-        Each microbatch loss is already divided by the global label-token count, so the ranks' sums add up to the
-        step's loss. It rides on the statistics' gather: no collective of its own."""
-        row = torch.tensor([busy, wait, len(bundle.microbatches), bundle.input_tokens, float(loss_sum)],
-                           dtype=torch.float64, device=self.accelerator.device)  # fmt: skip
-        rows = self.accelerator.gather(row) if self.accelerator.num_processes > 1 else row
-        rows = rows.reshape(-1, 5)
-        self.odc_stats.add(StepStats.from_gathered(rows[:, :4]))
-        return rows[:, 4].sum().to(loss_sum.dtype)
-
     def odc_before_bundle(self):
         """Hook: state to aggregate per-microbatch metrics once per step (see ODCSFTTrainer)."""
         return None
@@ -401,14 +329,29 @@ class ODCMixin:
             return sum(super(ODCMixin, self).floating_point_ops(mb) for mb in inputs.microbatches)
         return super().floating_point_ops(inputs)
 
-    # -- saving ------------------------------------------------------------------------------------
+    def odc_base_fused_head(self) -> bool:
+        """Hook: True where the base trainer's ``compute_loss`` runs TRL's fused LM head itself (SFTTrainer)."""
+        return False
+
+    def odc_base_loss_is_plain(self) -> bool:
+        """Whether the trainer below the mixin computes the loss as ``transformers.Trainer`` does (the model's own)."""
+        return getattr(super().compute_loss, "__func__", None) is Trainer.compute_loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.odc_compute is not None and self.odc_compute.fused_by_odc and model.training and not return_outputs:
+            return compute_path.fused_head_loss(model, inputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    # -- save --------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """On GPUs accelerate's FSDP2 path saves; on the CPU path (sharded by odc_hf) gather a full state dict
         on every rank (a collective) and write from the main process what the Trainer writes: the model, the
         processing class and ``training_args.bin`` (with the user's ``gradient_accumulation_steps``: see
         :meth:`_odc_users_arguments`)."""
         with self._odc_users_arguments():
-            self._odc_save_model(output_dir, _internal_call)
+            if not self._odc_self_sharded():
+                return super().save_model(output_dir, _internal_call)
+            save_full_model(self, output_dir or self.args.output_dir)
 
     @contextlib.contextmanager
     def _odc_users_arguments(self):
@@ -424,163 +367,19 @@ class ODCMixin:
         finally:
             self.args.gradient_accumulation_steps = folded
 
-    def _odc_save_model(self, output_dir: str | None, _internal_call: bool) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        from transformers.trainer import TRAINING_ARGS_NAME
-
-        if not self._odc_self_sharded():
-            return super().save_model(output_dir, _internal_call)
-        output_dir = output_dir or self.args.output_dir
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        # Tied parameters (lm_head / embed_tokens) come back as two gathered copies, which save_pretrained cannot
-        # recognise as one tensor: make them one again, so that it drops the tied name as it does for its own
-        # state dict (the model's _tied_weights_keys decide which).
-        model = self.accelerator.unwrap_model(self.model)
-        first_name: dict[int, str] = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            first = first_name.setdefault(id(param), name)
-            if first != name and first in state and name in state:
-                state[name] = state[first]
-        if self.accelerator.is_main_process:
-            Path(output_dir).mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(output_dir, state_dict=state)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, Path(output_dir) / TRAINING_ARGS_NAME)  # as Trainer._save: tools read it
-        self.accelerator.wait_for_everyone()
-
     def _odc_self_sharded(self) -> bool:
-        from accelerate.utils import DistributedType
-
+        """Whether odc_hf, not accelerate, sharded the model (the CPU path)."""
         return self.accelerator.distributed_type != DistributedType.FSDP and is_sharded(self.model)
 
-    def _save_checkpoint(self, model, trial):
-        """The Trainer's save, then a completion marker once every rank has written every part, then the rotation of
-        old checkpoints (``save_total_limit``): a job killed while saving leaves the previous checkpoint loadable,
-        and ``resume_from_checkpoint=True`` takes the last complete one (:mod:`odc_hf.integrations.resume`)."""
-        import os
 
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+class ODCTrainer(ODCMixin, Trainer):
+    """``transformers.Trainer`` with ODC."""
 
-        from odc_hf.integrations import resume
-
-        run_dir = self._get_output_dir(trial=trial)
-        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save:
-            resume.unmark(checkpoint)  # overwriting an older save of this step: incomplete until marked again
-        limit, self.args.save_total_limit = self.args.save_total_limit, None  # self.args is odc_hf's copy
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
-        self.accelerator.wait_for_everyone()  # every rank's parts are on disk
-        if self.args.should_save:
-            resume.mark_complete(self, checkpoint)
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)  # fmt: skip
-
-    # Private Trainer methods (TRAINER_HOOKS in odc_hf/integrations/checkpoint.py; the optimizer's own format on the
-    # CPU path only).
-    def _save_optimizer_and_scheduler(self, output_dir):
-        if not self._odc_self_sharded():
-            return super()._save_optimizer_and_scheduler(output_dir)
-        from odc_hf.integrations.checkpoint import save_optimizer_and_scheduler
-
-        save_optimizer_and_scheduler(self, output_dir)
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        from odc_hf.integrations.checkpoint import check_trainer_optimizer, load_optimizer_and_scheduler
-        from odc_hf.integrations.resume import reads_sharded_optimizer
-
-        if checkpoint is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        if self._odc_self_sharded() or reads_sharded_optimizer(self, checkpoint):
-            return load_optimizer_and_scheduler(self, checkpoint)
-        check_trainer_optimizer(checkpoint, scheduler=self.lr_scheduler is not None)  # the Trainer skips silently
-        return super()._load_optimizer_and_scheduler(checkpoint)
-
-    def _issue_warnings_after_load(self, load_result):
-        # A tied copy (lm_head.weight sharing the embedding) is never saved, so every correct checkpoint "misses" it:
-        # warn only about keys that are really missing.
-        from odc_hf.integrations.checkpoint import missing_tied_keys
-
-        if hasattr(load_result, "_replace"):  # torch's _IncompatibleKeys (a namedtuple)
-            tied = missing_tied_keys(self.accelerator.unwrap_model(self.model), load_result.missing_keys)
-            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
-        return super()._issue_warnings_after_load(load_result)
-
-    # -- observability -----------------------------------------------------------------------------
-    def log(self, logs, *args, **kwargs):
-        if "loss" in logs:
-            window = self.odc_stats.window()
-            if (
-                self.odc is None
-            ):  # collectives: waits hide inside FSDP's per-layer collectives, not measurable here
-                window = {k: v for k, v in window.items() if k not in ("odc/bubble_rate", "odc/wait_s_mean")}
-            logs = {**logs, **{k: round(v, 4) for k, v in window.items()}}
-            retries = self._odc_alloc_retries.delta()  # CUDA only: the caching allocator's flush-and-retry count
-            if retries is not None:
-                logs["odc/cuda_alloc_retries"] = retries
-        return super().log(logs, *args, **kwargs)
-
-    def _odc_write_timings(self) -> None:
-        """Gather every rank's microbatch timings; the main process writes them with a cost model fitted to them.
-
-        ``<output_dir>/odc_microbatch_timings.json`` holds ``microbatches`` (document lengths), ``seconds`` and,
-        when they allow a fit, ``a``, ``b``, ``c``: pass the file as ``cost_model`` in the next run to balance with
-        the costs this run measured (sharding, packing and kernels included).
-        """
-        if self.odc is None:  # same on every rank: the collective below runs everywhere or nowhere
-            return
-        timings = list(self.odc_microbatch_timings)
-        if self.accelerator.num_processes > 1:
-            import torch.distributed as dist
-
-            gathered: list = [None] * self.accelerator.num_processes
-            dist.all_gather_object(gathered, timings)
-            timings = [t for part in gathered for t in part]
-        if not timings or not self.accelerator.is_main_process:
-            return
-        payload: dict = {
-            "microbatches": [docs for docs, _ in timings],
-            "seconds": [seconds for _, seconds in timings],
-            "device": str(self.accelerator.device),
-            "warmup_steps_skipped": self.ODC_TIMING_WARMUP_STEPS,
-        }
-        if self.odc_compute is not None:  # costs per token depend on the kernels and checkpointing
-            payload["compute_path"] = self.odc_compute.describe()
-        payload["attention"] = self.odc_attention  # and on the attention kernel
-        try:
-            fitted = QuadraticCostModel.fit_microbatches(payload["microbatches"], payload["seconds"])
-            payload.update(fitted.to_dict())
-            logger.info("odc_hf: microbatch costs of this run fit %s", fitted.describe())
-        except ValueError as err:
-            payload["fit_error"] = str(err)
-        path = Path(self.args.output_dir) / "odc_microbatch_timings.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload))
-
-    def odc_finish_run(self) -> None:
-        self._odc_write_timings()
-        destroy_gloo_group_at_exit()  # the gather above must not race interpreter exit (see its docstring)
-        summary = self.odc_stats.total()
-        if not summary or not self.accelerator.is_main_process:
-            return
-        if self.odc is None:  # collectives: the bubble is hidden inside FSDP's collectives (see log())
-            summary = {k: v for k, v in summary.items() if k not in ("odc/bubble_rate", "odc/wait_s_mean")}
-        self.odc_summary = summary
-        if self.odc_config.log_timeline:
-            title = f"ODC per-rank timeline ({(self.odc_attention or {}).get('implementation')} attention)"
-            path = plot_timeline(self.odc_stats.steps[-50:], Path(self.args.output_dir) / "odc_timeline.png", title=title)
-            logger.info("odc_hf: timeline written to %s", path)
+    odc_compute_path = True
 
 
 def make_odc_trainer(trainer_cls: type[Trainer]) -> type[Trainer]:
-    """``ODCX = make_odc_trainer(X)`` for any Trainer subclass X (TRL's SFTTrainer, your own, ...)."""
+    """``ODCX = make_odc_trainer(X)`` for any other Trainer subclass X (your own, ...): ``class ODCX(ODCMixin, X)``
+    with the compute path on, as ``ODCTrainer``."""
     return type(f"ODC{trainer_cls.__name__}", (ODCMixin, trainer_cls),
                 {"__module__": __name__, "odc_compute_path": True})  # fmt: skip
-
-
-ODCTrainer = make_odc_trainer(Trainer)

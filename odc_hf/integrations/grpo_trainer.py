@@ -1,4 +1,4 @@
-"""TRL GRPO with ODC: ``ODCGRPOTrainer``.
+"""TRL GRPO with ODC: ``ODCGRPOTrainer`` (its arguments: ``ODCGRPOConfig``, ``odc_hf.integrations.grpo_config``).
 
 One optimizer step of TRL's ``GRPOTrainer`` (``steps_per_generation == gradient_accumulation_steps``, TRL's
 default) trains on one generation batch, split on every rank into ``gradient_accumulation_steps`` padded
@@ -25,8 +25,8 @@ completions sets the pace of every layer of every microbatch. Here, per generati
    (:func:`~odc_hf.integrations.grpo_batch.pack_rows`), where TRL's loss and metrics run unchanged; the reference
    model's (and old-policy) log-probs of the generation phase are taken from packed rows the same way.
 
-TRL private surfaces used, all checked at construction (:func:`odc_hf.integrations.trl_version.check_trl`, the one TRL
-version policy; ``tests/test_grpo_trl_surface.py``):
+TRL private surfaces used, all listed and checked at construction by :mod:`odc_hf.integrations.trl_version` (the one
+TRL version policy; ``tests/test_grpo_trl_surface.py``):
 ``_generate_and_score_completions`` (generation + scoring), ``_get_train_sampler`` (overridden: one dataloader
 batch per optimizer step), ``_metrics`` (per-step aggregation), ``_get_per_token_logps_and_entropies`` and
 ``_compute_loss`` (the metrics' recomputation per slice), and the key names of the batch dict that
@@ -44,13 +44,15 @@ import logging
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from trl import GRPOTrainer
+from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict
 
-from odc_hf.balance.padded import padded_microbatch_width, plan_padded
+from odc_hf.balance.padded import plan_padded
 from odc_hf.balance.planner import PLANNERS
-from odc_hf.integrations.attention_setup import is_varlen, prepare_attention
+from odc_hf.fsdp import install_odc, is_sharded, shard_model
+from odc_hf.integrations.attention_setup import prepare_attention
 from odc_hf.integrations.grpo_batch import (
     PACKED_KEY,
-    SUPPORTED_LOSS_TYPES,
     GRPOBundle,
     collate,
     pack_rows,
@@ -60,78 +62,16 @@ from odc_hf.integrations.grpo_batch import (
     scatter_packed,
     unbatch,
 )
+from odc_hf.integrations.grpo_config import check_arguments, refusals
 from odc_hf.integrations.grpo_metrics import CLIP_EXTREMES, MetricRecorder, SliceMetrics, mean_keys, rows
+from odc_hf.integrations.train_data import padded_worst_case, resolve_max_tokens
 from odc_hf.integrations.trainer import ODCMixin
-from odc_hf.integrations.trl_config import quiet_upstream_deprecations
-from odc_hf.integrations.trl_version import check_trl
+from odc_hf.integrations.trl_version import check_trl_grpo
+from odc_hf.integrations.upstream_warnings import quiet_upstream_deprecations
 from odc_hf.integrations.vllm_sync import adopt_generation
-from odc_hf.integrations.vllm_version import check_vllm, prefer_vllm_environment
 from odc_hf.integrations.vllm_weights import LoraMerge
 
 logger = logging.getLogger(__name__)
-
-TRL_PRIVATE_METHODS = ("_generate_and_score_completions", "_get_train_sampler", "compute_loss", "_compute_loss",
-                       "_get_per_token_logps_and_entropies")
-TRL_PRIVATE_ATTRIBUTES = ("_metrics", "loss_type", "beta", "ref_model", "max_completion_length", "num_iterations")
-
-
-def check_trl_grpo(trainer) -> None:
-    """Refuse TRL versions this integration was not written for, and TRLs that lack the private names it reads."""
-    check_trl(trainer, "ODCGRPOTrainer", methods=TRL_PRIVATE_METHODS, attributes=TRL_PRIVATE_ATTRIBUTES)
-
-
-def _refusals(args, grad_accum: int) -> list[str]:
-    """What ODCGRPOTrainer refuses, from the training arguments alone (checked before TRL builds anything)."""
-    refuse = []
-    if args.loss_type not in SUPPORTED_LOSS_TYPES:
-        refuse.append(f"loss_type={args.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)})")
-    if args.steps_per_generation != grad_accum:
-        refuse.append(
-            f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps={grad_accum} "
-            "(ODC trains one generation batch per optimizer step)"
-        )
-    if args.use_vllm and args.vllm_mode != "colocate":
-        refuse.append(
-            f"vllm_mode={args.vllm_mode!r}: a vLLM server generates every rank's prompts from rank 0 and "
-            "broadcasts the completions (all ranks wait for all), and takes its weights from rank 0 after a "
-            "full_tensor() collective per parameter: nothing of ODC's one-sided path remains. Use "
-            "vllm_mode='colocate': each rank generates on its own engine, its weights read from ODC's "
-            "published shards (vllm_gpu_memory_utilization sets the engine's share of the GPU)"
-        )
-    if args.use_vllm and args.vllm_tensor_parallel_size != 1:
-        refuse.append(
-            f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size} (a tensor-parallel engine group "
-            "generates its ranks' prompts together, in lockstep; untested with ODC): use "
-            "vllm_tensor_parallel_size=1"
-        )
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        refuse.append("an entropy bonus (entropy_coef / use_adaptive_entropy): it is normalised per microbatch")
-    if args.top_entropy_quantile < 1.0:
-        refuse.append("top_entropy_quantile < 1 (its quantile is gathered across ranks per microbatch)")
-    if args.sync_ref_model:
-        refuse.append("sync_ref_model=True (the ODC reference model is published once)")
-    return refuse
-
-
-def _check_arguments(args, grad_accum: int, peft_config=None) -> None:
-    """Before TRL builds the trainer (a vLLM engine takes tens of seconds): the refusals, vLLM's version, the
-    environment vLLM needs (odc_hf/integrations/vllm_version.py)."""
-    refuse = _refusals(args, grad_accum)
-    if refuse:
-        raise ValueError("ODCGRPOTrainer does not support " + "; ".join(refuse))
-    if args.use_vllm:
-        check_vllm()
-        prefer_vllm_environment()
-        if peft_config is not None:
-            LoraMerge.from_config(peft_config)  # refuses adapters the weight sync cannot merge
-
-
-def _check_settings(trainer, grad_accum: int) -> None:
-    refuse = _refusals(trainer.args, grad_accum)
-    if not trainer.odc_config.enabled:
-        refuse.append("ODCConfig(enabled=False): for the collective baseline use trl.GRPOTrainer itself")
-    if refuse:
-        raise ValueError("ODCGRPOTrainer does not support " + "; ".join(refuse))
 
 
 class _GRPOPart:
@@ -143,14 +83,18 @@ class _GRPOPart:
         base = {k: v for k, v in kwargs.items() if k != "odc_config"}  # the base trainer's arguments
         arguments = self._odc_argument("args", args, base)
         if arguments is not None:  # None: TRL's default GRPOConfig, checked below
-            _check_arguments(arguments, arguments.gradient_accumulation_steps,
-                             self._odc_argument("peft_config", args, base))  # fmt: skip
+            check_arguments(arguments, arguments.gradient_accumulation_steps,
+                            self._odc_argument("peft_config", args, base))  # fmt: skip
         # Ranks sharing a GPU: TRL sets LOCAL_RANK to accelerate's local process index before it builds each rank's
         # vLLM engine, and vLLM takes that as the engine's GPU; in the shared-GPU mode that index is the rank's GPU
         # (shared_gpu.localize_rank), so each engine starts on the GPU its rank computes on.
         super().__init__(*args, **kwargs)
         check_trl_grpo(self)
-        _check_settings(self, self.odc_folded_accumulation)
+        refuse = refusals(self.args, self.odc_folded_accumulation)
+        if not self.odc_config.enabled:
+            refuse.append("ODCConfig(enabled=False): for the collective baseline use trl.GRPOTrainer itself")
+        if refuse:
+            raise ValueError("ODCGRPOTrainer does not support " + "; ".join(refuse))
         if self.use_vllm:  # TRL's engine, ODC's weight sync (odc_hf/integrations/vllm_sync.py)
             adopt_generation(self.vllm_generation, self._odc_full_weights, self._odc_lora_merge())
         self.odc_generation_steps = 0  # optimizer steps trained since the last generation
@@ -195,15 +139,11 @@ class _GRPOPart:
         layout = self.odc_config.grpo_layout
         if layout != "auto":
             return layout == "packed"
-        implementation = str((self.odc_attention or {}).get("implementation"))
-        if implementation.startswith("flash_attention"):
-            return True
-        return is_varlen(implementation) and self.accelerator.device.type != "cuda"
+        attention = self.odc_attention_choice
+        return attention.is_flash or (attention.is_varlen and self.accelerator.device.type != "cuda")
 
     def _odc_install_ref(self):
         """Put the (frozen, never updated) reference model on ODC too: its no-grad forwards gather one-sidedly."""
-        from odc_hf.fsdp import install_odc, is_sharded, shard_model
-
         if self.accelerator.num_processes < 2:
             return None
         ref = self.ref_model
@@ -222,8 +162,6 @@ class _GRPOPart:
         return super(ODCMixin, self).get_train_dataloader()  # TRL's loader, with the sampler below
 
     def _get_train_sampler(self, dataset=None):
-        from trl.trainer.utils import RepeatSampler
-
         return RepeatSampler(
             data_source=self.train_dataset if dataset is None else dataset,
             mini_repeat_count=self.num_generations,
@@ -285,8 +223,6 @@ class _GRPOPart:
 
     def odc_generate_and_plan(self, inputs) -> GRPOBundle:
         """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
-        from trl.trainer.utils import shuffle_sequence_dict
-
         with self._odc_users_arguments(), quiet_upstream_deprecations(), self._odc_generate_without_lockstep():
             batch = self._generate_and_score_completions(inputs)
         # The microbatches TRL would train on: its shuffle (same RNG draw, so runs stay comparable) and split.
@@ -309,26 +245,16 @@ class _GRPOPart:
         lengths = [sample_length(s) for s in samples]
         packed = self.odc_grpo_packed
         # the cuDNN NaN workaround (CUDA_PAD_TO_MULTIPLE_OF) concerns masked padded rows on cuDNN only
-        multiple = 1 if packed else padded_columns_multiple(
-            self.accelerator.device.type, (self.odc_attention or {}).get("implementation")
-        )
+        multiple = 1 if packed else padded_columns_multiple(self.accelerator.device.type,
+                                                            self.odc_attention_choice.implementation)  # fmt: skip
         prompts = [int(s["prompt_ids"].numel()) for s in samples]
-        # ODCConfig validated the budget; None: the smallest budget that holds the worst-case microbatch of this
-        # layout (docs/configuration.md): TRL's own, per_device rows of the widest padded row it could form here
-        budget = self.odc_config.max_tokens_per_microbatch or self.args.per_device_train_batch_size * padded_microbatch_width(
-            prompts, [n - p for n, p in zip(lengths, prompts)], multiple
-        )
-        if max(lengths) > budget:
-            raise ValueError(
-                f"a prompt + completion has {max(lengths)} tokens, more than max_tokens_per_microbatch={budget}; raise "
-                "it (ODCConfig.max_tokens_per_microbatch, --odc_max_tokens_per_microbatch, ODC_MAX_TOKENS_PER_MICROBATCH) "
-                "or unset it (then TRL's own widest microbatch); GRPO samples are never truncated"
-            )  # fmt: skip
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        worst_case = padded_worst_case(lengths, prompts, rows=self.args.per_device_train_batch_size, multiple=multiple)
+        max_tokens_per_microbatch = resolve_max_tokens(self.odc_config, lengths, worst_case, truncatable=False)
+        world, rank, balance = self.accelerator.num_processes, self.accelerator.process_index, self.odc_config.balance
         if packed:  # rows of whole sequences within the budget, as SFT plans them (dummy microbatches dropped)
-            plan = PLANNERS[self.odc_config.balance](lengths, world, budget, self._odc_cost_model())
+            plan = PLANNERS[balance](lengths, world, max_tokens_per_microbatch, self._odc_cost_model())
         else:
-            plan = plan_padded(lengths, world, budget, self._odc_cost_model(), self.odc_config.balance,
+            plan = plan_padded(lengths, world, max_tokens_per_microbatch, self._odc_cost_model(), balance,
                                prompts=prompts, multiple=multiple)  # fmt: skip
         mine = [mb for mb in plan.for_rank(rank) if mb]
         self.odc_plan_summary = plan.summary()
@@ -449,20 +375,14 @@ class _GRPOPart:
         return super().log(logs, *args, **kwargs)
 
 
-def make_odc_grpo_trainer(grpo_cls):
-    """``ODCX = make_odc_grpo_trainer(X)`` for ``trl.GRPOTrainer`` or a subclass of it."""
-    cls = type(f"ODC{grpo_cls.__name__}", (_GRPOPart, ODCMixin, grpo_cls), {"__module__": __name__})
-    return cls
+class ODCGRPOTrainer(_GRPOPart, ODCMixin, GRPOTrainer):
+    """``trl.GRPOTrainer`` with ODC."""
 
 
-def __getattr__(name):
-    if name == "ODCGRPOTrainer":
-        from trl import GRPOTrainer
-
-        cls = make_odc_grpo_trainer(GRPOTrainer)
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
+def make_odc_grpo_trainer(grpo_cls: type[GRPOTrainer]) -> type[GRPOTrainer]:
+    """``ODCX = make_odc_grpo_trainer(X)`` for a subclass X of ``trl.GRPOTrainer``: ``class ODCX(_GRPOPart, ODCMixin,
+    X)``, as ``ODCGRPOTrainer``."""
+    return type(f"ODC{grpo_cls.__name__}", (_GRPOPart, ODCMixin, grpo_cls), {"__module__": __name__})
 
 
-__all__ = ["check_trl_grpo", "make_odc_grpo_trainer"]  # and ODCGRPOTrainer, built on first access
+__all__ = ["ODCGRPOTrainer", "make_odc_grpo_trainer"]

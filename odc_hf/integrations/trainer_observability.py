@@ -1,0 +1,140 @@
+"""What the ODC trainers measure and report: per-step statistics in the logs, microbatch timings, the end-of-run
+summary and timeline.
+
+A part of :class:`~odc_hf.integrations.trainer.ODCMixin` (a mixin on the trainer below it). Every rank's step
+statistics (busy and waiting time, microbatches, tokens) and loss are gathered once per step (:meth:`_odc_record`);
+the logs carry a window of them (:mod:`odc_hf.integrations.stats`). At the end of training the microbatch timings
+are written with a cost model fitted to them (``odc_microbatch_timings.json``, to pass as ``cost_model`` in the
+next run), and the main process keeps the run's summary (``trainer.odc_summary``) and draws its timeline. Inside
+a step's microbatch loop the metric collectives of the libraries below stay local (:class:`LocalGathers`): the
+trainers aggregate their metrics once per step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from odc_hf.balance import QuadraticCostModel
+from odc_hf.integrations.bundle import Bundle
+from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
+from odc_hf.integrations.stats import StepStats, plot_timeline
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_HIDDEN = ("odc/bubble_rate", "odc/wait_s_mean")
+"""Statistics not measurable under FSDP collectives (``enabled=False``): the waits hide inside each layer's
+collectives."""
+
+
+class LocalGathers:
+    """Stands in for the Accelerator inside the bundle loop: metric gathers stay local.
+
+    Libraries (TRL's ``compute_loss``) gather or reduce metrics once per microbatch; with uneven microbatch counts those
+    collectives would pair up different microbatches or deadlock. Inside the loop they return the local value;
+    the trainer aggregates once per step instead. Everything else goes to the real Accelerator.
+    """
+
+    def __init__(self, accelerator):
+        self._accelerator = accelerator
+
+    def gather_for_metrics(self, tensor, use_gather_object=False):
+        return tensor.reshape(1) if isinstance(tensor, torch.Tensor) and tensor.dim() == 0 else tensor
+
+    gather = gather_for_metrics
+
+    def reduce(self, tensor, reduction="sum", scale=1.0):  # TRL GRPO's global_masked_mean: local sums
+        return tensor * scale if scale != 1.0 else tensor
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
+class ObservabilityPart:
+    """Statistics, timings, summary and timeline of :class:`~odc_hf.integrations.trainer.ODCMixin`; see the module
+    docstring."""
+
+    ODC_MAX_TIMINGS = 20_000
+    """Microbatch timings kept per rank for ``odc_microbatch_timings.json`` (the most recent)."""
+    ODC_TIMING_WARMUP_STEPS = 2
+    """Optimizer steps whose microbatches are not timed (kernel compilation, allocator warm-up)."""
+
+    def _odc_time_microbatches(self) -> bool:
+        return self.odc is not None and self.state.global_step >= self.ODC_TIMING_WARMUP_STEPS
+
+    def _odc_record(self, busy: float, wait: float, bundle: Bundle, loss_sum: torch.Tensor) -> torch.Tensor:
+        """Gather every rank's step statistics and loss (the step's one gather); returns the step's global loss.
+
+        Each microbatch loss is already divided by the global label-token count, so the ranks' sums add up to the
+        step's loss. It rides on the statistics' gather: no collective of its own."""
+        row = torch.tensor([busy, wait, len(bundle.microbatches), bundle.input_tokens, float(loss_sum)],
+                           dtype=torch.float64, device=self.accelerator.device)  # fmt: skip
+        rows = self.accelerator.gather(row) if self.accelerator.num_processes > 1 else row
+        rows = rows.reshape(-1, 5)
+        self.odc_stats.add(StepStats.from_gathered(rows[:, :4]))
+        return rows[:, 4].sum().to(loss_sum.dtype)
+
+    def log(self, logs, *args, **kwargs):
+        if "loss" in logs:
+            window = self.odc_stats.window()
+            if self.odc is None:  # collectives: waits hide inside FSDP's per-layer collectives, not measurable here
+                window = {k: v for k, v in window.items() if k not in COLLECTIVE_HIDDEN}
+            logs = {**logs, **{k: round(v, 4) for k, v in window.items()}}
+            retries = self._odc_alloc_retries.delta()  # CUDA only: the caching allocator's flush-and-retry count
+            if retries is not None:
+                logs["odc/cuda_alloc_retries"] = retries
+        return super().log(logs, *args, **kwargs)
+
+    def _odc_write_timings(self) -> None:
+        """Gather every rank's microbatch timings; the main process writes them with a cost model fitted to them.
+
+        ``<output_dir>/odc_microbatch_timings.json`` holds ``microbatches`` (document lengths), ``seconds`` and,
+        when they allow a fit, ``a``, ``b``, ``c``: pass the file as ``cost_model`` in the next run to balance with
+        the costs this run measured (sharding, packing and kernels included).
+        """
+        if self.odc is None:  # same on every rank: the collective below runs everywhere or nowhere
+            return
+        timings = list(self.odc_microbatch_timings)
+        if self.accelerator.num_processes > 1:
+            gathered: list = [None] * self.accelerator.num_processes
+            dist.all_gather_object(gathered, timings)
+            timings = [t for part in gathered for t in part]
+        if not timings or not self.accelerator.is_main_process:
+            return
+        payload: dict = {
+            "microbatches": [docs for docs, _ in timings],
+            "seconds": [seconds for _, seconds in timings],
+            "device": str(self.accelerator.device),
+            "warmup_steps_skipped": self.ODC_TIMING_WARMUP_STEPS,
+        }
+        if self.odc_compute is not None:  # costs per token depend on the kernels and checkpointing
+            payload["compute_path"] = self.odc_compute.describe()
+        payload["attention"] = self.odc_attention  # and on the attention kernel
+        try:
+            fitted = QuadraticCostModel.fit_microbatches(payload["microbatches"], payload["seconds"])
+            payload.update(fitted.to_dict())
+            logger.info("odc_hf: microbatch costs of this run fit %s", fitted.describe())
+        except ValueError as err:
+            payload["fit_error"] = str(err)
+        path = Path(self.args.output_dir) / "odc_microbatch_timings.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload))
+
+    def odc_finish_run(self) -> None:
+        self._odc_write_timings()
+        destroy_gloo_group_at_exit()  # the gather above must not race interpreter exit (see its docstring)
+        summary = self.odc_stats.total()
+        if not summary or not self.accelerator.is_main_process:
+            return
+        if self.odc is None:  # collectives: the bubble is hidden inside FSDP's collectives (see log())
+            summary = {k: v for k, v in summary.items() if k not in COLLECTIVE_HIDDEN}
+        self.odc_summary = summary
+        if self.odc_config.log_timeline:
+            implementation = self.odc_attention_choice.implementation if self.odc_attention_choice else None
+            title = f"ODC per-rank timeline ({implementation} attention)"
+            path = plot_timeline(self.odc_stats.steps[-50:], Path(self.args.output_dir) / "odc_timeline.png", title=title)
+            logger.info("odc_hf: timeline written to %s", path)
