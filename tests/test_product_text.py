@@ -67,6 +67,17 @@ def test_readme_and_docs_carry_no_process_text():
     assert not found, "\n".join(found)
 
 
+def test_the_benchmarks_page_lists_every_report_once():
+    """docs/benchmarks.md ends with the index of benchmarks/results/: every report there once, none that is not."""
+    text = (ROOT / "docs/benchmarks.md").read_text(encoding="utf-8")
+    index = text.split("\n## Every report\n", 1)[1]
+    listed = re.findall(r"\]\(\.\./benchmarks/results/([^)]+\.md)\)", index)
+    reports = sorted(p.name for p in (ROOT / "benchmarks/results").glob("*.md"))
+    assert sorted(listed) == reports, (sorted(set(reports) - set(listed)), sorted(set(listed) - set(reports)))
+    linked = set(re.findall(r"\]\(\.\./benchmarks/results/([^)#]+)\)", text))
+    assert not [name for name in linked if not (ROOT / "benchmarks/results" / name).exists()]
+
+
 if __name__ == "__main__":
     lines = findings(sys.argv[1:] or PRODUCT_TEXT)
     print("\n".join(lines) or "clean")
