@@ -185,7 +185,6 @@ def step_lengths(args, workload: str, per_rank: int, world_size: int, num_steps:
     return [flat[i * size : (i + 1) * size].astype(np.int64) for i in range(num_steps)]
 
 
-
 def trl_rows(lengths, budget: int) -> list[list[int]]:
     """Which samples TRL's best-fit-decreasing packing puts in each row (``trl.pack_dataset``)."""
     from datasets import Dataset
@@ -200,7 +199,6 @@ def trl_rows(lengths, budget: int) -> list[list[int]]:
     if sorted(i for r in rows for i in r) != list(range(len(lengths))):
         raise RuntimeError("TRL packing dropped or split samples; lengths must fit the budget")
     return rows
-
 
 
 def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants, cost_model_d=None,
@@ -243,7 +241,6 @@ def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants, 
                         lower_bound=micro.lower_bound, cost_model=cost_model.describe())  # fmt: skip
             out[v] = (rows, plan)
     return out
-
 
 
 def padded_rows(examples: list[dict], pad_token_id: int = 0) -> list[dict]:
