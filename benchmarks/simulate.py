@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from report import RESULTS, env_markdown, environment, today, write
+from report import table as md_table
 
 from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel
 from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini, plan_none
@@ -141,20 +142,15 @@ def group(rows) -> dict[int, list[dict]]:
 
 
 def table(rows) -> list[str]:
-    head = (
-        "| ranks | per rank | budget | max len | ODC+LB-Mini vs FSDP+LB-Micro (median / mean) | vs FSDP+none "
-        "| ODC+LB-Micro vs FSDP+LB-Micro | bubble FSDP+LB-Micro | bubble ODC+LB-Mini | bubble FSDP+none |"
-    )
-    out = [head, "|" + "---|" * 10]
-    for r in rows:
-        s = {k: r[k] for k in SPEEDUPS}
-        out.append(
-            f"| {r['world_size']} | {r['per_rank']} | {r['max_tokens'] // 1024}k | {r['max_length'] // 1024}k "
-            f"| {s['lb_mini_odc_vs_lb_micro_fsdp']['median']:.3f} / {s['lb_mini_odc_vs_lb_micro_fsdp']['mean']:.3f} "
-            f"| {s['lb_mini_odc_vs_none_fsdp']['median']:.3f} | {s['lb_micro_odc_vs_lb_micro_fsdp']['median']:.3f} "
-            f"| {r['bubble_lb_micro_fsdp']:.1%} | {r['bubble_lb_mini_odc']:.1%} | {r['bubble_none_fsdp']:.1%} |"
-        )
-    return out
+    mini = "lb_mini_odc_vs_lb_micro_fsdp"
+    return md_table(
+        ["ranks", "per rank", "budget", "max len", "ODC+LB-Mini vs FSDP+LB-Micro (median / mean)", "vs FSDP+none",
+         "ODC+LB-Micro vs FSDP+LB-Micro", "bubble FSDP+LB-Micro", "bubble ODC+LB-Mini", "bubble FSDP+none"],
+        [[r["world_size"], r["per_rank"], f"{r['max_tokens'] // 1024}k", f"{r['max_length'] // 1024}k",
+          f"{r[mini]['median']:.3f} / {r[mini]['mean']:.3f}", f"{r['lb_mini_odc_vs_none_fsdp']['median']:.3f}",
+          f"{r['lb_micro_odc_vs_lb_micro_fsdp']['median']:.3f}", f"{r['bubble_lb_micro_fsdp']:.1%}",
+          f"{r['bubble_lb_mini_odc']:.1%}", f"{r['bubble_none_fsdp']:.1%}"] for r in rows],
+    )  # fmt: skip
 
 
 def plot(results, path: Path, title: str) -> None:
