@@ -23,7 +23,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from report import RESULTS, env_markdown, environment, today, write  # noqa: E402
+from report import RESULTS, env_markdown, environment, table, today, write  # noqa: E402
 
 from odc_hf.balance.cost import FlopCostModel  # noqa: E402
 from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini, plan_none  # noqa: E402
@@ -110,14 +110,10 @@ def main(argv=None) -> None:
         "`timeit`).",
         *([f"Note: {args.note}"] if args.note else []),
         "",
-        "| workload | budget | planner | median ms | p90 ms | max ms |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['workload']} | {r['max_tokens'] // 1024}k | {r['planner']} | {r['median_ms']:.1f} | "
-        f"{r['p90_ms']:.1f} | {r['max_ms']:.1f} |"
-        for r in rows
-    ]
+        *table(["workload", "budget", "planner", "median ms", "p90 ms", "max ms"],
+               [[r["workload"], f"{r['max_tokens'] // 1024}k", r["planner"], f"{r['median_ms']:.1f}",
+                 f"{r['p90_ms']:.1f}", f"{r['max_ms']:.1f}"] for r in rows]),
+    ]  # fmt: skip
     stem = f"plan_speed_{today()}" + ("" if (args.num_samples, args.world_size) == (4096, 64)
                                        else f"_{args.num_samples}x{args.world_size}")
     write(args.out, stem, {"env": env, "setup": setup, "results": rows}, "\n".join(lines) + "\n")
