@@ -255,19 +255,12 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model", default="1.5B", help="tiny, or a Qwen2.5 size from odc_hf.workloads (1.5B, 7B, ...)"
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="1.5B",
+                        help="tiny, or a Qwen2.5 size from odc_hf.workloads (1.5B, 7B, ...)")  # fmt: skip
     parser.add_argument("--workloads", default="longalign,balanced,swe_smith,tulu")
-    parser.add_argument(
-        "--minibatch",
-        type=_ints,
-        default=[4, 2, 8],
-        help="samples per rank per step (comma list)",
-    )
+    parser.add_argument("--minibatch", type=_ints, default=[4, 2, 8],
+                        help="samples per rank per step (comma list)")  # fmt: skip
     parser.add_argument(
         "--configs",
         default=None,
@@ -278,19 +271,13 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-per-device", type=int, default=2,
                         help="H (A_hf): per_device_train_batch_size of batch_rebalance; gradient accumulation = "
                              "samples per rank / this")  # fmt: skip
-    parser.add_argument(
-        "--all-variants-at",
-        type=_ints,
-        default=[4],
-        help="samples per rank at which A, C and H run too (B and D always run)",
-    )
+    parser.add_argument("--all-variants-at", type=_ints, default=[4],
+                        help="samples per rank at which A, C and H run too (B and D always run)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=10, help="measured steps per config")
-    parser.add_argument(
-        "--warmup", type=int, default=1, help="unmeasured steps per config (after a global warm-up)"
-    )
-    parser.add_argument(
-        "--max-tokens", type=int, default=32768, help="token budget per microbatch (= max length)"
-    )
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="unmeasured steps per config (after a global warm-up)")  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, default=32768,
+                        help="token budget per microbatch (= max length)")  # fmt: skip
     parser.add_argument("--balanced-length", type=int, default=16384)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -300,26 +287,16 @@ def main(argv=None) -> None:
         default=[512, 2048, 4096, 8192, 16384, 24576, 32768],
     )
     parser.add_argument("--calibration-repeats", type=int, default=2)
-    parser.add_argument(
-        "--time-budget",
-        type=float,
-        default=540.0,
-        help="seconds; a config is skipped when its calibrated estimate would overrun",
-    )
+    parser.add_argument("--time-budget", type=float, default=540.0,
+                        help="seconds; a config is skipped when its calibrated estimate would overrun")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=300.0, help="ODC peer-wait timeout (s)")
-    parser.add_argument(
-        "--expandable-segments",
-        action="store_true",
-        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the ranks",
-    )
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the ranks")  # fmt: skip
     parser.add_argument("--tag", default="", help="suffix of the output file names")
     parser.add_argument("--world-size", type=int, default=None)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument(
-        "--report-only",
-        default=None,
-        help="re-render the report from one or more .raw.json (comma list; merged)",
-    )
+    parser.add_argument("--report-only", default=None,
+                        help="re-render the report from one or more .raw.json (comma list; merged)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.report_only:
         payload = merge([json.loads(Path(p).read_text()) for p in args.report_only.split(",")])

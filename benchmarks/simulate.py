@@ -204,48 +204,28 @@ def main(argv=None) -> None:
         from simulate_rebalance import main as rebalance_main
 
         return rebalance_main(argv[1:])
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=WORKLOADS, default="longalign")
-    parser.add_argument(
-        "--model", choices=sorted(QWEN2_5_SHAPES), default="1.5B", help="Qwen2.5 shape (FLOP model)"
-    )
+    parser.add_argument("--model", choices=sorted(QWEN2_5_SHAPES), default="1.5B",
+                        help="Qwen2.5 shape (FLOP model)")  # fmt: skip
     parser.add_argument("--calibration", help="JSON with a, b, c (seconds) or lengths + seconds to fit")
-    parser.add_argument(
-        "--world-sizes",
-        type=parse_ints,
-        default=parse_ints("2,4,8,16,32,64,128,256"),
-        help="world-size sweep (comma list)",
-    )
-    parser.add_argument(
-        "--per-rank", type=int, default=4, help="samples per rank per step (world-size sweep)"
-    )
+    parser.add_argument("--world-sizes", type=parse_ints, default=parse_ints("2,4,8,16,32,64,128,256"),
+                        help="world-size sweep (comma list)")  # fmt: skip
+    parser.add_argument("--per-rank", type=int, default=4,
+                        help="samples per rank per step (world-size sweep)")  # fmt: skip
     parser.add_argument(
         "--max-tokens",
         type=parse_int,
         default=None,
         help="token budget per microbatch, e.g. 32k; default: the workload's cap (lengths are clipped to it)",
     )
-    parser.add_argument(
-        "--sweep-world-sizes",
-        type=parse_ints,
-        default=parse_ints("8,32"),
-        help="world sizes of the length / minibatch / budget sweeps",
-    )
+    parser.add_argument("--sweep-world-sizes", type=parse_ints, default=parse_ints("8,32"),
+                        help="world sizes of the length / minibatch / budget sweeps")  # fmt: skip
     parser.add_argument("--max-lengths", type=parse_ints, default=None, help="default: 1/4, 1/2, 1 x the cap")
-    parser.add_argument(
-        "--per-rank-sweep",
-        type=parse_ints,
-        default=parse_ints("1,2,4,8,16,32"),
-        help="samples per rank in the minibatch-size sweep",
-    )
-    parser.add_argument(
-        "--budget-multiples",
-        type=parse_ints,
-        default=parse_ints("1,2,4,8"),
-        help="token budgets of the packing sweep, as multiples of --max-tokens",
-    )
+    parser.add_argument("--per-rank-sweep", type=parse_ints, default=parse_ints("1,2,4,8,16,32"),
+                        help="samples per rank in the minibatch-size sweep")  # fmt: skip
+    parser.add_argument("--budget-multiples", type=parse_ints, default=parse_ints("1,2,4,8"),
+                        help="token budgets of the packing sweep, as multiples of --max-tokens")  # fmt: skip
     parser.add_argument(
         "--budget-sweep-per-rank",
         type=int,
