@@ -1,5 +1,5 @@
 """How long planning one global minibatch takes on ONE CPU core (targets: LB-Mini 4,096 samples / 64 ranks < 10 ms,
-65,536 / 1,024 < 200 ms median, issue 30).
+65,536 / 1,024 < 200 ms median).
 
 Every rank plans every step itself, on the data loader's path, so this must stay small. The process is
 pinned to one core (where the OS allows), each planner is warmed up, then timed on ``--instances``
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
         f"- CPU: {env['cpu_model']}, cores used: {env['cores_used']}",
         *(f"- {k}: `{v}`" for k, v in setup.items()),
         "",
-        "Targets (issue 30): lb_mini median < 10 ms at 4,096 samples / 64 ranks, < 200 ms at 65,536 / 1,024. Budgets: "
+        "Targets: lb_mini median < 10 ms at 4,096 samples / 64 ranks, < 200 ms at 65,536 / 1,024. Budgets: "
         "the workload's cap and twice it. lb_mini includes computing the lb_micro plan it keeps as a fallback "
         "candidate, unless its own plan is within 1e-4 of the makespan bound. GC paused during each timed call (as "
         "`timeit`).",

@@ -1,4 +1,4 @@
-"""odc_hf vs transformers' ``batch_rebalance``: predicted step times, balance and planning time (issue 30).
+"""odc_hf vs transformers' ``batch_rebalance``: predicted step times, balance and planning time.
 
 Run through ``benchmarks/simulate.py rebalance`` (a module of that script). For each workload and number of GPUs it
 plans the same global minibatches three ways and prices them with the library's step-time model
