@@ -78,12 +78,11 @@ def main(argv=None) -> None:
     env = report.environment()
     lines = [f"# Packed-row attention cost, Qwen2.5-{args.model} shape, one GPU, {T} tokens per row\n",
              report.env_markdown(env), f"fwd+bwd seconds (median of {args.repeats}), activation checkpointing, bf16\n",
-             "| row | " + " | ".join(paths) + " |", "|---|" + "---:|" * len(paths)]  # fmt: skip
-    for row_name, lengths in rows.items():
-        cells = [
-            next(r["seconds"] for r in results if r["row"] == row_name and r["path"] == p) for p in paths
-        ]
-        lines.append(f"| {row_name} {lengths} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+             *report.table(["row", *paths],
+                           [[f"{row_name} {lengths}",
+                             *(f"{next(r['seconds'] for r in results if r['row'] == row_name and r['path'] == p):.3f}"
+                               for p in paths)] for row_name, lengths in rows.items()],
+                           "l" + "r" * len(paths))]  # fmt: skip
     md = "\n".join(lines) + "\n"
     report.write(
         args.out,

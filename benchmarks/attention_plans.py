@@ -122,9 +122,9 @@ def main(argv=None) -> None:
         lines += [f"## {result['mode']}", "",
                   f"warm-up: {result['warm_up_shapes']} shapes in {result['warm_up_s']:.2f} s; (q, k, v) strides SDPA "
                   f"received at {PROBE_LENGTH} tokens: {result['strides_at_probe_length']}", "",
-                  "| documents | first ms | second ms | first / second |", "|---|---:|---:|---:|"]  # fmt: skip
-        lines += [f"| {'+'.join(map(str, r['lengths']))} | {1e3 * r['first_s']:.1f} | {1e3 * r['second_s']:.1f} | "
-                  f"{r['ratio']:.2f} |" for r in result["rows"]]  # fmt: skip
+                  *report.table(["documents", "first ms", "second ms", "first / second"],
+                                [["+".join(map(str, r["lengths"])), f"{1e3 * r['first_s']:.1f}", f"{1e3 * r['second_s']:.1f}",
+                                  f"{r['ratio']:.2f}"] for r in result["rows"]], "lrrr")]  # fmt: skip
         lines.append("")
     hardware = "h200" if "H200" in (env["gpus"] or [""])[0] else "gpu"
     stem = f"attention_plans_{hardware}x1_{env['date'][:10]}"

@@ -37,9 +37,7 @@ def checks_markdown(payload: dict, *, title: str = "# Checks", description: str 
     entry (a :func:`compare` result, or any dict with ``name``, ``ok`` and optional notes)."""
     from benchmarks import report
 
-    lines = [title, "", report.env_markdown(payload["env"]).rstrip(), "", description,
-             "", "| check | ok | max rel. loss diff | max abs. loss diff | max rel. grad-norm diff | notes |",
-             "|---|---|---:|---:|---:|---|"]  # fmt: skip
+    rows = []
     for r in payload["results"]:
         notes = []
         if "uneven_steps" in r:
@@ -56,5 +54,8 @@ def checks_markdown(payload: dict, *, title: str = "# Checks", description: str 
         if r.get("why"):
             notes.append(r["why"])
         cells = [f"{r[k]:.1e}" if k in r else "—" for k in ("max_rel_loss", "max_abs_loss", "max_rel_grad_norm")]
-        lines.append(f"| {r['name']} | {'yes' if r['ok'] else '**no**'} | {' | '.join(cells)} | {'; '.join(notes)} |")
+        rows.append([r["name"], "yes" if r["ok"] else "**no**", *cells, "; ".join(notes)])
+    lines = [title, "", report.env_markdown(payload["env"]).rstrip(), "", description, "",
+             *report.table(["check", "ok", "max rel. loss diff", "max abs. loss diff", "max rel. grad-norm diff", "notes"],
+                           rows, "llrrrl")]  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -73,9 +73,7 @@ def packing(model: dict) -> list[str]:
     """Packed rows vs the sum of their documents alone, and vs the cost model fitted to the single rows."""
     from odc_hf.balance.cost import QuadraticCostModel
 
-    lines = [f"### {model['size']}: packed rows vs their documents\n",
-             "| path | row (documents) | packed s | Σ documents alone s | packed / Σ | fitted a + Σ(b·s + c·s²) s | "
-             "packed / fitted |", "|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    table = []
     default = default_rows(model)
     paths = [
         ("today", lambda r: r["variant"] == "today"),
@@ -93,9 +91,11 @@ def packing(model: dict) -> list[str]:
             if len(singles) >= 3:
                 cost = QuadraticCostModel.fit(list(singles), list(singles.values()))
                 fitted = cost.microbatch_cost(r["docs"])
-            lines.append(f"| {name} ({r['ac']}) | {r['tokens']} ({'+'.join(map(str, r['docs']))}) | {r['seconds']:.3f} | "
-                         f"{alone:.3f} | {r['seconds'] / alone:.3f} | {fitted:.3f} | {r['seconds'] / fitted:.3f} |")  # fmt: skip
-    return lines + [""]
+            table.append([f"{name} ({r['ac']})", f"{r['tokens']} ({'+'.join(map(str, r['docs']))})", f"{r['seconds']:.3f}",
+                          f"{alone:.3f}", f"{r['seconds'] / alone:.3f}", f"{fitted:.3f}", f"{r['seconds'] / fitted:.3f}"])  # fmt: skip
+    return [f"### {model['size']}: packed rows vs their documents\n",
+            *report.table(["path", "row (documents)", "packed s", "Σ documents alone s", "packed / Σ",
+                           "fitted a + Σ(b·s + c·s²) s", "packed / fitted"], table, "llrrrrr"), ""]  # fmt: skip
 
 
 def memory(model: dict, gpu_gib: float | None) -> list[str]:
@@ -104,8 +104,7 @@ def memory(model: dict, gpu_gib: float | None) -> list[str]:
     if not model["memory_models"]:
         return []
     L = model["num_layers"]
-    lines = [f"### {model['size']}: memory model (calibrated on this GPU) vs measured peaks\n",
-             "| path | row | AC | predicted GiB | measured GiB |", "|---|---|---|---:|---:|"]  # fmt: skip
+    peaks, choices = [], []
     variant_of = {"none/trl_fused_lm_head": "trl", "liger/trl_fused_lm_head": "liger",
                   "liger/liger_fused_linear_cross_entropy": "flce"}  # fmt: skip
     for key, entry in model["memory_models"].items():
@@ -117,20 +116,20 @@ def memory(model: dict, gpu_gib: float | None) -> list[str]:
                 and r["tokens"] in model["lengths"]
             ):
                 measured = "OOM" if r.get("oom") else f"{r['peak_gib']:.1f}"
-                lines.append(f"| {key} | {r['row']} | {r['ac']} | {mm.peak_bytes(r['tokens'], r['checkpointed']) / GIB:.1f} "
-                             f"| {measured} |")  # fmt: skip
-    lines += ["", "`auto`'s choice (the fewest checkpointed layers whose predicted peak fits 0.9 x device memory):\n",
-              "| path | tokens | " + " | ".join(f"{g:.0f} GiB" for g in ((gpu_gib,) if gpu_gib else ()) + HYPOTHETICAL_GIB)
-              + " |", "|---|---:|" + "---|" * (len(HYPOTHETICAL_GIB) + (1 if gpu_gib else 0))]  # fmt: skip
+                peaks.append([key, r["row"], r["ac"], f"{mm.peak_bytes(r['tokens'], r['checkpointed']) / GIB:.1f}", measured])
+    sizes = ((gpu_gib,) if gpu_gib else ()) + HYPOTHETICAL_GIB
     for key, entry in model["memory_models"].items():
         mm = MemoryModel.from_dict(entry["model"])
         for t in sorted(set(model["lengths"]) | {2 * max(model["lengths"])}):
             cells = []
-            for g in ((gpu_gib,) if gpu_gib else ()) + HYPOTHETICAL_GIB:
+            for g in sizes:
                 n, fits = choose_checkpointing(mm, t, 0.9 * g * GIB)
                 cells.append(describe_checkpointing(n, L) + ("" if fits else " (does not fit)"))
-            lines.append(f"| {key} | {t} | " + " | ".join(cells) + " |")
-    return lines + [""]
+            choices.append([key, t, *cells])
+    return [f"### {model['size']}: memory model (calibrated on this GPU) vs measured peaks\n",
+            *report.table(["path", "row", "AC", "predicted GiB", "measured GiB"], peaks, "lllrr"),
+            "", "`auto`'s choice (the fewest checkpointed layers whose predicted peak fits 0.9 x device memory):\n",
+            *report.table(["path", "tokens", *(f"{g:.0f} GiB" for g in sizes)], choices, "lr"), ""]  # fmt: skip
 
 
 def render(payload: dict) -> str:
@@ -164,10 +163,8 @@ def render(payload: dict) -> str:
         rows = list(dict.fromkeys(r["row"] for r in model["results"]))
         lines += [f"## {model['size']} (auto on this GPU: " + ", ".join(
             f"{t} tokens -> {n} of {model['num_layers']} layers checkpointed" for t, n in model["auto"].items()) + ")\n",
-                  "| row | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]  # fmt: skip
-        for row in rows:
-            lines.append(f"| {row} | " + " | ".join(_cell(by.get((k, row))) for k in keys) + " |")
-        lines.append("")
+                  *report.table(["row", *keys], [[row, *(_cell(by.get((k, row))) for k in keys)] for row in rows],
+                                "l" + "r" * len(keys)), ""]  # fmt: skip
         lines += packing(model)
         lines += memory(model, gpu_gib)
     return "\n".join(lines) + "\n"

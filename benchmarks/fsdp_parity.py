@@ -162,22 +162,21 @@ def main(argv=None) -> None:
         f"# ODC vs FSDP2 collectives: {args.model} Qwen2 shape, {world_size} ranks, {args.steps} steps\n",
         report.env_markdown(env),
         "Same samples per step; ODC ranks run uneven microbatch counts (zeros included); FSDP2 pads to the max.\n",
-        "| step | counts | FSDP2 loss | ODC loss | rel. diff | FSDP2 grad norm | ODC grad norm | FSDP2 s | ODC s |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for a, b, r in zip(odc, fsdp, rel):
-        lines.append(f"| {a['step']} | {a['counts']} | {b['loss']:.5f} | {a['loss']:.5f} | {r:.1e} | "
-                     f"{b['grad_norm']:.4f} | {a['grad_norm']:.4f} | {b['seconds']:.3f} | {a['seconds']:.3f} |")  # fmt: skip
+        *report.table(["step", "counts", "FSDP2 loss", "ODC loss", "rel. diff", "FSDP2 grad norm", "ODC grad norm",
+                       "FSDP2 s", "ODC s"],
+                      [[a["step"], a["counts"], f"{b['loss']:.5f}", f"{a['loss']:.5f}", f"{r:.1e}", f"{b['grad_norm']:.4f}",
+                        f"{a['grad_norm']:.4f}", f"{b['seconds']:.3f}", f"{a['seconds']:.3f}"]
+                       for a, b, r in zip(odc, fsdp, rel)], "rlrrrrrrr"),
+    ]  # fmt: skip
     lines.append(f"\nmax relative loss difference: **{max(rel):.2e}**; median step time FSDP2 "
                  f"{statistics.median(s['seconds'] for s in fsdp):.3f} s, ODC {statistics.median(s['seconds'] for s in odc):.3f} s "
                  "(not a speed benchmark: FSDP2 also computes the padding microbatches).\n")  # fmt: skip
     keys = list(results["odc"][0]["memory"])
-    lines.append("## Peak memory per rank (GiB)\n\n| rank | mode | " + " | ".join(keys) + " |")
-    lines.append("|---|---|" + "---:|" * len(keys))
-    for mode in ("fsdp", "odc"):
-        for rank, r in enumerate(results[mode]):
-            cells = " | ".join(f"{r['memory'].get(k, 0.0):.2f}" for k in keys)
-            lines.append(f"| {rank} | {mode} | {cells} |")
+    lines += ["## Peak memory per rank (GiB)\n",
+              *report.table(["rank", "mode", *keys],
+                            [[rank, mode, *(f"{r['memory'].get(k, 0.0):.2f}" for k in keys)]
+                             for mode in ("fsdp", "odc") for rank, r in enumerate(results[mode])],
+                            "ll" + "r" * len(keys))]  # fmt: skip
     if "peak_allocated_plus_odc_GiB" in keys:
         ratio = max(r["memory"]["peak_allocated_plus_odc_GiB"] for r in results["odc"]) / max(
             r["memory"]["peak_allocated_plus_odc_GiB"] for r in results["fsdp"]

@@ -400,7 +400,7 @@ def summarise(result: dict, args) -> dict:
 
 
 def markdown(env: dict, result: dict, summary: dict, args) -> str:
-    from report import env_markdown
+    from report import env_markdown, table
 
     t, g = summary, summary["generation"]
     lines = [f"# GRPO end to end: ODC + rebalancing vs FSDP2 collectives ({args.model})", "", env_markdown(env),
@@ -411,32 +411,27 @@ def markdown(env: dict, result: dict, summary: dict, args) -> str:
              f"{result['cost_model']}",
              f"- {args.warmup} warm-up + {args.steps} measured steps per variant, interleaved (order alternating)", "",
              "## Training phase", "",
-             "| variant | step s (median) | min | max | tokens/s (median) | mean busy / step |", "|---|---|---|---|---|---|"]  # fmt: skip
-    for kind in ("fsdp", "odc"):
-        s = t[kind]
-        lines.append(f"| {kind} | {s['step_s_median']:.3f} | {s['step_s_min']:.3f} | {s['step_s_max']:.3f} | "
-                     f"{s['tokens_per_s_median']:.0f} | {s['busy_fraction_mean']:.1%} |")  # fmt: skip
+             *table(["variant", "step s (median)", "min", "max", "tokens/s (median)", "mean busy / step"],
+                    [[kind, f"{s['step_s_median']:.3f}", f"{s['step_s_min']:.3f}", f"{s['step_s_max']:.3f}",
+                      f"{s['tokens_per_s_median']:.0f}", f"{s['busy_fraction_mean']:.1%}"]
+                     for kind, s in ((k, t[k]) for k in ("fsdp", "odc"))])]  # fmt: skip
     sp = t["speedup_per_step"]
     lines += ["", f"ODC / FSDP tokens/s (medians): **{t['speedup_tokens_per_s']:.3f}x**; per-step speedup median "
               f"{sp['median']:.3f} (min {sp['min']:.3f}, max {sp['max']:.3f}); max relative loss difference "
               f"{t['max_rel_loss_diff']:.2e}. The cost model predicts {t['predicted_fwd_bwd_ratio']:.3f}x for the "
               "forward + backward passes alone (sum over the measured steps; optimizer and exchanges not modelled).", "",
-              "| step | tokens | fsdp s | odc s | odc microbatches per rank | predicted fwd+bwd fsdp / odc |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
-    for s in result["steps"]:
-        tag = " (warm-up)" if s["warmup"] else ""
-        p = s["predicted"]
-        lines.append(f"| {s['step']}{tag} | {s['tokens']} | {s['fsdp']['step_s']:.3f} | {s['odc']['step_s']:.3f} | "
-                     f"{s['odc']['microbatches']} | {p['fsdp_s']:.4g} / {p['odc_s']:.4g} |")  # fmt: skip
+              *table(["step", "tokens", "fsdp s", "odc s", "odc microbatches per rank", "predicted fwd+bwd fsdp / odc"],
+                     [[f"{s['step']}{' (warm-up)' if s['warmup'] else ''}", s["tokens"], f"{s['fsdp']['step_s']:.3f}",
+                       f"{s['odc']['step_s']:.3f}", s["odc"]["microbatches"],
+                       f"{s['predicted']['fsdp_s']:.4g} / {s['predicted']['odc_s']:.4g}"] for s in result["steps"]])]  # fmt: skip
     lines += ["", "## Generation phase", "",
               f"`generate()` greedy with KV cache, {args.gen_prompts} prompts per rank, per-rank max_new_tokens "
               f"{result['new_tokens']}; FSDP2 with `synced_gpus=True` (required: ranks stop at different lengths), "
               "ODC with `synced_gpus=False`.", "",
-              "| variant | wall s (median, slowest rank) | per-rank s | rank-seconds | tokens/s |", "|---|---|---|---|---|"]  # fmt: skip
-    for kind in ("fsdp", "odc"):
-        s = g[kind]
-        lines.append(f"| {kind} | {s['wall_s_median']:.3f} | {', '.join(f'{x:.3f}' for x in s['rank_s_median'])} | "
-                     f"{s['rank_seconds_median']:.3f} | {s['tokens_per_s_median']:.0f} |")  # fmt: skip
+              *table(["variant", "wall s (median, slowest rank)", "per-rank s", "rank-seconds", "tokens/s"],
+                     [[kind, f"{s['wall_s_median']:.3f}", ", ".join(f"{x:.3f}" for x in s["rank_s_median"]),
+                       f"{s['rank_seconds_median']:.3f}", f"{s['tokens_per_s_median']:.0f}"]
+                      for kind, s in ((k, g[k]) for k in ("fsdp", "odc"))])]  # fmt: skip
     lines += ["", f"ODC / FSDP generation tokens/s: **{g['ratio_tokens_per_s']:.3f}x**. The wall time is set by the "
               "rank with the most new tokens in both variants; what ODC frees is the early rank's time (it stops "
               "instead of running dummy forwards), visible in the per-rank seconds.", ""]  # fmt: skip

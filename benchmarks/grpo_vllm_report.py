@@ -82,11 +82,12 @@ def render(payload: dict, analysis: dict, report_module) -> str:
              "importance-sampling correction), **training** everything else (microbatches, optimizer).", ""]  # fmt: skip
     summary = analysis["summary"]
     if summary:
-        lines += ["| variant | " + " | ".join(PHASE_NAMES[p] + " s" for p in PHASES) + " | peak GiB | attention |",
-                  "|---|" + "---:|" * (len(PHASES) + 1) + "---|"]  # fmt: skip
-        for variant, s in summary.items():
-            lines.append(f"| {VARIANTS[variant]} ({s['steps']} steps) | " + " | ".join(_f(s[p]) for p in PHASES)
-                         + f" | {_f(s['peak_gib'], '.1f')} | {s.get('attention') or '-'} |")  # fmt: skip
+        lines += report_module.table(
+            ["variant", *(PHASE_NAMES[p] + " s" for p in PHASES), "peak GiB", "attention"],
+            [[f"{VARIANTS[variant]} ({s['steps']} steps)", *(_f(s[p]) for p in PHASES), _f(s["peak_gib"], ".1f"),
+              s.get("attention") or "-"] for variant, s in summary.items()],
+            "l" + "r" * (len(PHASES) + 1) + "l",
+        )  # fmt: skip
         lines += ["", "Speed-up of ODC (TRL's median / ODC's): "
                   + ", ".join(f"{PHASE_NAMES[p]} {v:.3f}x" for p, v in analysis["ratios"].items()), ""]  # fmt: skip
         for variant, s in summary.items():
@@ -98,14 +99,16 @@ def render(payload: dict, analysis: dict, report_module) -> str:
                   ""]  # fmt: skip
     if analysis["failed"]:
         lines += ["Failed runs: " + "; ".join(analysis["failed"]), ""]
-    lines += ["## Per step", "", "| run | step | step s | generation s | sync s | scoring s | training s | loss | "
-              "lengths (min / median / max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    steps = []
     for i, r in enumerate(payload["runs"]):
         for s in r.get("steps", []):
             n = sorted(s.get("lengths", [])) or [0]
-            lines.append(f"| {i + 1} {r['variant']} | {s['step']} | {_f(s['seconds'])} | {_f(s.get('generate_s'))} | "
-                         f"{_f(s.get('sync_s'))} | {_f(s.get('score_s'))} | {_f(s.get('train_s'))} | "
-                         f"{_f(s.get('loss'), '.4g')} | {n[0]} / {n[len(n) // 2]} / {n[-1]} |")  # fmt: skip
+            steps.append([f"{i + 1} {r['variant']}", s["step"], _f(s["seconds"]), _f(s.get("generate_s")),
+                          _f(s.get("sync_s")), _f(s.get("score_s")), _f(s.get("train_s")), _f(s.get("loss"), ".4g"),
+                          f"{n[0]} / {n[len(n) // 2]} / {n[-1]}"])  # fmt: skip
+    lines += ["## Per step", "",
+              *report_module.table(["run", "step", "step s", "generation s", "sync s", "scoring s", "training s", "loss",
+                                    "lengths (min / median / max)"], steps, "lrrrrrrrl")]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -1,5 +1,5 @@
 """How long planning one global minibatch takes on ONE CPU core (targets: LB-Mini 4,096 samples / 64 ranks < 10 ms,
-65,536 / 1,024 < 200 ms median, issue 30).
+65,536 / 1,024 < 200 ms median).
 
 Every rank plans every step itself, on the data loader's path, so this must stay small. The process is
 pinned to one core (where the OS allows), each planner is warmed up, then timed on ``--instances``
@@ -23,7 +23,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from report import RESULTS, env_markdown, environment, today, write  # noqa: E402
+from report import RESULTS, env_markdown, environment, table, today, write  # noqa: E402
 
 from odc_hf.balance.cost import FlopCostModel  # noqa: E402
 from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini, plan_none  # noqa: E402
@@ -104,20 +104,16 @@ def main(argv=None) -> None:
         f"- CPU: {env['cpu_model']}, cores used: {env['cores_used']}",
         *(f"- {k}: `{v}`" for k, v in setup.items()),
         "",
-        "Targets (issue 30): lb_mini median < 10 ms at 4,096 samples / 64 ranks, < 200 ms at 65,536 / 1,024. Budgets: "
+        "Targets: lb_mini median < 10 ms at 4,096 samples / 64 ranks, < 200 ms at 65,536 / 1,024. Budgets: "
         "the workload's cap and twice it. lb_mini includes computing the lb_micro plan it keeps as a fallback "
         "candidate, unless its own plan is within 1e-4 of the makespan bound. GC paused during each timed call (as "
         "`timeit`).",
         *([f"Note: {args.note}"] if args.note else []),
         "",
-        "| workload | budget | planner | median ms | p90 ms | max ms |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['workload']} | {r['max_tokens'] // 1024}k | {r['planner']} | {r['median_ms']:.1f} | "
-        f"{r['p90_ms']:.1f} | {r['max_ms']:.1f} |"
-        for r in rows
-    ]
+        *table(["workload", "budget", "planner", "median ms", "p90 ms", "max ms"],
+               [[r["workload"], f"{r['max_tokens'] // 1024}k", r["planner"], f"{r['median_ms']:.1f}",
+                 f"{r['p90_ms']:.1f}", f"{r['max_ms']:.1f}"] for r in rows]),
+    ]  # fmt: skip
     stem = f"plan_speed_{today()}" + ("" if (args.num_samples, args.world_size) == (4096, 64)
                                        else f"_{args.num_samples}x{args.world_size}")
     write(args.out, stem, {"env": env, "setup": setup, "results": rows}, "\n".join(lines) + "\n")

@@ -177,21 +177,22 @@ def summarise(per_rank: list[dict], sizes_mb: list[int], world_size: int) -> dic
 
 
 def markdown(summary: dict, env: dict, reps: int, world_size: int) -> str:
-    from benchmarks.report import env_markdown
+    from benchmarks.report import env_markdown, table
 
     lines = [
         f"# ODC primitives vs NCCL, {world_size} GPUs\n",
         env_markdown(env),
         f"Medians over {reps} interleaved repetitions of the max-over-ranks CUDA-event time. Ratios > 1 mean ODC is faster.\n",
-        "| MB/rank | NCCL all-gather ms | ODC gather ms | gather x | ODC gather GB/s | NCCL RS fp32 ms | ODC scatter fp32 ms | x | ODC scatter bf16 ms | x |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in summary["rows"]:
-        lines.append(
-            f"| {r['size_mb_per_rank']} | {r['nccl_all_gather_ms']:.3f} | {r['odc_gather_ms']:.3f} | {r['gather_speedup']:.2f} "
-            f"| {r['odc_gather_GBps']:.0f} | {r['nccl_reduce_scatter_ms']:.3f} | {r['odc_scatter_fp32_ms']:.3f} "
-            f"| {r['scatter_fp32_ratio']:.2f} | {r['odc_scatter_bf16_ms']:.3f} | {r['scatter_bf16_ratio']:.2f} |"
-        )
+        *table(
+            ["MB/rank", "NCCL all-gather ms", "ODC gather ms", "gather x", "ODC gather GB/s", "NCCL RS fp32 ms",
+             "ODC scatter fp32 ms", "x", "ODC scatter bf16 ms", "x"],
+            [[r["size_mb_per_rank"], f"{r['nccl_all_gather_ms']:.3f}", f"{r['odc_gather_ms']:.3f}",
+              f"{r['gather_speedup']:.2f}", f"{r['odc_gather_GBps']:.0f}", f"{r['nccl_reduce_scatter_ms']:.3f}",
+              f"{r['odc_scatter_fp32_ms']:.3f}", f"{r['scatter_fp32_ratio']:.2f}", f"{r['odc_scatter_bf16_ms']:.3f}",
+              f"{r['scatter_bf16_ratio']:.2f}"] for r in summary["rows"]],
+            "r" * 10,
+        ),
+    ]  # fmt: skip
     o = summary["owner"]
     lines += [
         "",

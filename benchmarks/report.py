@@ -68,6 +68,20 @@ def env_markdown(env: dict) -> str:
     )
 
 
+def table(headers, rows, align: str = "") -> list[str]:
+    """A markdown table as lines: the header, the alignment row, one line per row (cells through ``str``).
+
+    ``align`` has one letter per column, ``l`` (``---``) or ``r`` (``---:``); columns past its end are ``l``.
+    """
+    marks = {"l": "---", "r": "---:"}
+    widths = [marks[a] for a in align.ljust(len(headers), "l")]
+
+    def line(cells) -> str:
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
+    return [line(headers), "|" + "|".join(widths) + "|", *(line(r) for r in rows)]
+
+
 def portable(text: str) -> str:
     """``text`` with the run's own output folder written as ``$OUT``: results name no machine's paths."""
     out = os.environ.get("OUT")

@@ -170,3 +170,92 @@ def run_step(model, optimizer, odc, microbatches, global_labels, device, clock) 
         "alloc_retries": _retries(device) - retries,
         "attention_calls": {k: v - calls.get(k, 0) for k, v in attention.CALLS.items()},
     }
+
+
+# -- the workload and each variant's plan (sft_e2e.py) ---------------------------------------------
+def step_lengths(args, workload: str, per_rank: int, world_size: int, num_steps: int):
+    """Per step, the lengths of the global minibatch (same for every variant)."""
+    import numpy as np
+
+    from odc_hf.prediction.workloads import generate_lengths
+
+    size = world_size * per_rank
+    if workload == "balanced":
+        flat = np.full(size * num_steps, args.balanced_length, dtype=np.int64)
+    else:
+        flat = generate_lengths(workload, size * num_steps, args.seed, max_length=args.max_tokens)
+    return [flat[i * size : (i + 1) * size].astype(np.int64) for i in range(num_steps)]
+
+
+def trl_rows(lengths, budget: int) -> list[list[int]]:
+    """Which samples TRL's best-fit-decreasing packing puts in each row (``trl.pack_dataset``)."""
+    from datasets import Dataset
+    from trl import pack_dataset
+
+    ds = Dataset.from_dict({"input_ids": [[i] * int(n) for i, n in enumerate(lengths)]})
+    packed = pack_dataset(ds, seq_length=budget, strategy="bfd")
+    rows = []
+    for row in packed["input_ids"]:
+        members = list(dict.fromkeys(row))  # the samples in order of appearance
+        rows.append(members)
+    if sorted(i for r in rows for i in r) != list(range(len(lengths))):
+        raise RuntimeError("TRL packing dropped or split samples; lengths must fit the budget")
+    return rows
+
+
+def plans_for_step(lengths, world_size: int, budget: int, cost_model, variants, cost_model_d=None,
+                   hf_grad_accum: int = 1) -> dict:  # fmt: skip
+    """Per variant, each rank's microbatches (lists of positions in ``lengths``) and the Plan when there is one.
+
+    ``cost_model_d``: D's own (its compute path's) cost model; default ``cost_model``. H (A_hf) is transformers'
+    ``BatchRebalanceSampler`` with ``hf_grad_accum`` microbatches per rank, as ``SFTTrainer`` with
+    ``train_sampling_strategy="batch_rebalance"`` builds it; its microbatches are priced padded."""
+    from odc_hf.balance.plan import Plan
+    from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
+
+    out = {}
+    micro = plan_lb_micro(lengths, world_size, budget, cost_model, truncate=True)
+    mini = plan_lb_mini(lengths, world_size, budget, cost_model_d or cost_model, truncate=True)
+    for v in variants:
+        if v in ("B", "C"):
+            out[v] = (micro.microbatches, micro)
+        elif v == "D":
+            out[v] = (mini.microbatches, mini)
+        elif v == "A":
+            rows = trl_rows(lengths, budget)
+            dealt = [rows[r::world_size] for r in range(world_size)]
+            width = max(len(d) for d in dealt)
+            dealt = [d + [[] for _ in range(width - len(d))] for d in dealt]
+            costs = [[cost_model.microbatch_cost(lengths[mb]) for mb in mbs] for mbs in dealt]
+            plan = Plan(mode="trl_packing", microbatches=dealt, microbatch_costs=costs,
+                        lower_bound=micro.lower_bound, cost_model=cost_model.describe())  # fmt: skip
+            out[v] = (dealt, plan)
+        elif v == "H":
+            import numpy as np
+
+            from odc_hf.prediction.batch_rebalance import rebalance_plan
+            from odc_hf.prediction.lockstep import lockstep_cost_matrix
+
+            clipped = np.minimum(np.asarray(lengths), budget)
+            rows = rebalance_plan(clipped, world_size, hf_grad_accum)
+            costs = lockstep_cost_matrix(rows, clipped, cost_model, layout="padded").tolist()
+            plan = Plan(mode="batch_rebalance", microbatches=rows, microbatch_costs=costs,
+                        lower_bound=micro.lower_bound, cost_model=cost_model.describe())  # fmt: skip
+            out[v] = (rows, plan)
+    return out
+
+
+def padded_rows(examples: list[dict], pad_token_id: int = 0) -> list[dict]:
+    """A padded microbatch as packed documents: every row right-padded to the widest, pads labelled -100.
+
+    Each padded row is one document of the packed row (position_ids restart per document), so the compute is the
+    padded batch's (rows x widest, attention over the widest per row) and, with causal attention and right padding,
+    the loss is the padded batch's too: real tokens never attend to the pads after them.
+    """
+    widest = max((len(e["input_ids"]) for e in examples), default=0)
+    out = []
+    for e in examples:
+        ids = list(e["input_ids"])
+        pad = widest - len(ids)
+        out.append({"input_ids": ids + [pad_token_id] * pad, "labels": ids + [-100] * pad})
+    return out

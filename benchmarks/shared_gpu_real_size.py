@@ -91,11 +91,13 @@ def main(argv=None) -> None:
                   if name.startswith("world2_") and name != "world2_shared"}  # fmt: skip
     payload = {"environment": env, "runs": runs, "noise_rel": noise, "shared_rel": shared,
                "world2_rel_to_world2_shared": same_world}  # fmt: skip
-    rows = "\n".join(
-        f"| {i + 1} | {ref[i]:.6f} | {runs['world1_again']['losses'][i]:.6f} | {runs['world2_shared']['losses'][i]:.6f} "
-        f"| {noise[i]:.2e} | {shared[i]:.2e} | {runs['world2_shared']['microbatches'][i]} |"
-        for i in range(len(ref))
-    )
+    losses = "\n".join(report.table(
+        ["step", "world 1", "world 1 again", "world 2 sharing the GPU", "world 1 vs itself (rel.)",
+         "world 2 vs world 1 (rel.)", "microbatches per rank (world 2)"],
+        [[i + 1, f"{ref[i]:.6f}", f"{runs['world1_again']['losses'][i]:.6f}", f"{runs['world2_shared']['losses'][i]:.6f}",
+          f"{noise[i]:.2e}", f"{shared[i]:.2e}", runs["world2_shared"]["microbatches"][i]] for i in range(len(ref))],
+        "rrrrrrl",
+    ))  # fmt: skip
     peaks = {k: r["peak_memory_gib_per_rank"] for k, r in runs.items()}
     md = f"""# Real-size run, ranks sharing one GPU: 1.5B, LongAlign-like rows to 32k
 
@@ -104,9 +106,7 @@ ODCSFTTrainer, Qwen2.5-1.5B shape (random init), bf16, odc_hf's default compute 
 LongAlign-like samples per step, {args.steps} steps, the same samples in the same order in every run. World 2: both
 ranks on cuda:0 ({runs['world2_shared']['summary']}).
 
-| step | world 1 | world 1 again | world 2 sharing the GPU | world 1 vs itself (rel.) | world 2 vs world 1 (rel.) | microbatches per rank (world 2) |
-|---:|---:|---:|---:|---:|---:|---|
-{rows}
+{losses}
 
 - bf16 noise (world 1 against itself): max {max(noise):.2e}, median {sorted(noise)[len(noise) // 2]:.2e}
 - world 2 against world 1: max {max(shared):.2e}, median {sorted(shared)[len(shared) // 2]:.2e}

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 from report import RESULTS, env_markdown, environment, today, write
+from report import table as md_table
 
 from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel
 from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini, plan_none
@@ -147,20 +148,15 @@ def group(rows) -> dict[int, list[dict]]:
 
 
 def table(rows) -> list[str]:
-    head = (
-        "| ranks | per rank | budget | max len | ODC+LB-Mini vs FSDP+LB-Micro (median / mean) | vs FSDP+none "
-        "| ODC+LB-Micro vs FSDP+LB-Micro | bubble FSDP+LB-Micro | bubble ODC+LB-Mini | bubble FSDP+none |"
-    )
-    out = [head, "|" + "---|" * 10]
-    for r in rows:
-        s = {k: r[k] for k in SPEEDUPS}
-        out.append(
-            f"| {r['world_size']} | {r['per_rank']} | {r['max_tokens'] // 1024}k | {r['max_length'] // 1024}k "
-            f"| {s['lb_mini_odc_vs_lb_micro_fsdp']['median']:.3f} / {s['lb_mini_odc_vs_lb_micro_fsdp']['mean']:.3f} "
-            f"| {s['lb_mini_odc_vs_none_fsdp']['median']:.3f} | {s['lb_micro_odc_vs_lb_micro_fsdp']['median']:.3f} "
-            f"| {r['bubble_lb_micro_fsdp']:.1%} | {r['bubble_lb_mini_odc']:.1%} | {r['bubble_none_fsdp']:.1%} |"
-        )
-    return out
+    mini = "lb_mini_odc_vs_lb_micro_fsdp"
+    return md_table(
+        ["ranks", "per rank", "budget", "max len", "ODC+LB-Mini vs FSDP+LB-Micro (median / mean)", "vs FSDP+none",
+         "ODC+LB-Micro vs FSDP+LB-Micro", "bubble FSDP+LB-Micro", "bubble ODC+LB-Mini", "bubble FSDP+none"],
+        [[r["world_size"], r["per_rank"], f"{r['max_tokens'] // 1024}k", f"{r['max_length'] // 1024}k",
+          f"{r[mini]['median']:.3f} / {r[mini]['mean']:.3f}", f"{r['lb_mini_odc_vs_none_fsdp']['median']:.3f}",
+          f"{r['lb_micro_odc_vs_lb_micro_fsdp']['median']:.3f}", f"{r['bubble_lb_micro_fsdp']:.1%}",
+          f"{r['bubble_lb_mini_odc']:.1%}", f"{r['bubble_none_fsdp']:.1%}"] for r in rows],
+    )  # fmt: skip
 
 
 def plot(results, path: Path, title: str) -> None:
@@ -214,48 +210,28 @@ def main(argv=None) -> None:
         from simulate_rebalance import main as rebalance_main
 
         return rebalance_main(argv[1:])
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=WORKLOADS, default="longalign")
-    parser.add_argument(
-        "--model", choices=sorted(QWEN2_5_SHAPES), default="1.5B", help="Qwen2.5 shape (FLOP model)"
-    )
+    parser.add_argument("--model", choices=sorted(QWEN2_5_SHAPES), default="1.5B",
+                        help="Qwen2.5 shape (FLOP model)")  # fmt: skip
     parser.add_argument("--calibration", help="JSON with a, b, c (seconds) or lengths + seconds to fit")
-    parser.add_argument(
-        "--world-sizes",
-        type=parse_ints,
-        default=parse_ints("2,4,8,16,32,64,128,256"),
-        help="world-size sweep (comma list)",
-    )
-    parser.add_argument(
-        "--per-rank", type=int, default=4, help="samples per rank per step (world-size sweep)"
-    )
+    parser.add_argument("--world-sizes", type=parse_ints, default=parse_ints("2,4,8,16,32,64,128,256"),
+                        help="world-size sweep (comma list)")  # fmt: skip
+    parser.add_argument("--per-rank", type=int, default=4,
+                        help="samples per rank per step (world-size sweep)")  # fmt: skip
     parser.add_argument(
         "--max-tokens",
         type=parse_int,
         default=None,
         help="token budget per microbatch, e.g. 32k; default: the workload's cap (lengths are clipped to it)",
     )
-    parser.add_argument(
-        "--sweep-world-sizes",
-        type=parse_ints,
-        default=parse_ints("8,32"),
-        help="world sizes of the length / minibatch / budget sweeps",
-    )
+    parser.add_argument("--sweep-world-sizes", type=parse_ints, default=parse_ints("8,32"),
+                        help="world sizes of the length / minibatch / budget sweeps")  # fmt: skip
     parser.add_argument("--max-lengths", type=parse_ints, default=None, help="default: 1/4, 1/2, 1 x the cap")
-    parser.add_argument(
-        "--per-rank-sweep",
-        type=parse_ints,
-        default=parse_ints("1,2,4,8,16,32"),
-        help="samples per rank in the minibatch-size sweep",
-    )
-    parser.add_argument(
-        "--budget-multiples",
-        type=parse_ints,
-        default=parse_ints("1,2,4,8"),
-        help="token budgets of the packing sweep, as multiples of --max-tokens",
-    )
+    parser.add_argument("--per-rank-sweep", type=parse_ints, default=parse_ints("1,2,4,8,16,32"),
+                        help="samples per rank in the minibatch-size sweep")  # fmt: skip
+    parser.add_argument("--budget-multiples", type=parse_ints, default=parse_ints("1,2,4,8"),
+                        help="token budgets of the packing sweep, as multiples of --max-tokens")  # fmt: skip
     parser.add_argument(
         "--budget-sweep-per-rank",
         type=int,

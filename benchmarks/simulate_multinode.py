@@ -17,6 +17,7 @@ import argparse
 from pathlib import Path
 
 from report import RESULTS, env_markdown, environment, today, write
+from report import table as md_table
 
 from odc_hf.prediction import cluster as cluster_model
 from odc_hf.prediction.cluster import Cluster, ModelShape, sharded_state_bytes
@@ -96,20 +97,21 @@ def memory_rows(args) -> list[dict]:
     return out
 
 
+def _comm_ms(r) -> str:
+    """Exposed inter-node communication of FSDP2 full / FSDP2 HSDP / ODC HSDP, in ms."""
+    return " / ".join(f"{r[c]['comm_s'] * 1e3:.0f}" for c in ("fsdp2_full", "fsdp2_hsdp", "odc_hsdp"))
+
+
 def table(rows) -> list[str]:
-    out = [
-        "| GPUs | per rank | FSDP2 full s | FSDP2 HSDP s | ODC HSDP s | ODC vs FSDP2 HSDP | ODC vs FSDP2 full | bound s "
-        "| exposed comm full / HSDP / ODC, ms | bubble FSDP2 / ODC |",
-        "|" + "---:|" * 10,
-    ]
-    for r in rows:
-        comm = " / ".join(f"{r[c]['comm_s'] * 1e3:.0f}" for c in ("fsdp2_full", "fsdp2_hsdp", "odc_hsdp"))
-        out.append(
-            f"| {r['gpus']} | {r['per_rank']} | {r['fsdp2_full']['total_s']:.3f} | {r['fsdp2_hsdp']['total_s']:.3f} "
-            f"| {r['odc_hsdp']['total_s']:.3f} | **{r['speedup_vs_fsdp2_hsdp']:.3f}** | {r['speedup_vs_fsdp2_full']:.3f} "
-            f"| {r['bound_s']:.3f} | {comm} | {r['fsdp2_hsdp']['bubble']:.1%} / {r['odc_hsdp']['bubble']:.1%} |"
-        )
-    return out
+    return md_table(
+        ["GPUs", "per rank", "FSDP2 full s", "FSDP2 HSDP s", "ODC HSDP s", "ODC vs FSDP2 HSDP", "ODC vs FSDP2 full",
+         "bound s", "exposed comm full / HSDP / ODC, ms", "bubble FSDP2 / ODC"],
+        [[r["gpus"], r["per_rank"], f"{r['fsdp2_full']['total_s']:.3f}", f"{r['fsdp2_hsdp']['total_s']:.3f}",
+          f"{r['odc_hsdp']['total_s']:.3f}", f"**{r['speedup_vs_fsdp2_hsdp']:.3f}**", f"{r['speedup_vs_fsdp2_full']:.3f}",
+          f"{r['bound_s']:.3f}", _comm_ms(r), f"{r['fsdp2_hsdp']['bubble']:.1%} / {r['odc_hsdp']['bubble']:.1%}"]
+         for r in rows],
+        "r" * 10,
+    )  # fmt: skip
 
 
 def plot(rows, sweep, args, path: Path) -> None:
@@ -229,28 +231,20 @@ def main(argv=None) -> None:
             ]
     lines += [
         f"## Bandwidth ({args.sweep_workload}-like, {args.sweep_per_rank} per GPU, {args.sweep_gpus} GPUs)", "",
-        "| model | GB/s per GPU | FSDP2 full s | FSDP2 HSDP s | ODC HSDP s | ODC vs HSDP | ODC vs full "
-        "| exposed comm full / HSDP / ODC, ms |", "|" + "---:|" * 8,
+        *md_table(["model", "GB/s per GPU", "FSDP2 full s", "FSDP2 HSDP s", "ODC HSDP s", "ODC vs HSDP", "ODC vs full",
+                   "exposed comm full / HSDP / ODC, ms"],
+                  [[r["model"], f"{r['network_gb_per_s']:g}", f"{r['fsdp2_full']['total_s']:.3f}",
+                    f"{r['fsdp2_hsdp']['total_s']:.3f}", f"{r['odc_hsdp']['total_s']:.3f}",
+                    f"{r['speedup_vs_fsdp2_hsdp']:.3f}", f"{r['speedup_vs_fsdp2_full']:.3f}", _comm_ms(r)]
+                   for r in sweep], "r" * 8),
     ]  # fmt: skip
-    for r in sweep:
-        comm = " / ".join(f"{r[c]['comm_s'] * 1e3:.0f}" for c in ("fsdp2_full", "fsdp2_hsdp", "odc_hsdp"))
-        lines.append(
-            f"| {r['model']} | {r['network_gb_per_s']:g} | {r['fsdp2_full']['total_s']:.3f} | "
-            f"{r['fsdp2_hsdp']['total_s']:.3f} | {r['odc_hsdp']['total_s']:.3f} | {r['speedup_vs_fsdp2_hsdp']:.3f} | "
-            f"{r['speedup_vs_fsdp2_full']:.3f} | {comm} |"
-        )
     full = [g for g in args.gpus if g > args.gpus_per_node]
     lines += [
         "", "## Persistent training state per GPU (GB: fp32 params + grads + AdamW moments; ODC + bf16 staging)", "",
-        "| model | parameters | HSDP, FSDP2 (8 per shard) | HSDP, ODC | " + " | ".join(f"full, {g}" for g in full) + " |",
-        "|" + "---:|" * (4 + len(full)),
+        *md_table(["model", "parameters", "HSDP, FSDP2 (8 per shard)", "HSDP, ODC", *(f"full, {g}" for g in full)],
+                  [[m["model"], f"{m['params'] / 1e9:.2f}B", f"{m['hsdp_fsdp2_GB']:.2f}", f"{m['hsdp_odc_GB']:.2f}",
+                    *(f"{m[f'full_{g}_GB']:.2f}" for g in full)] for m in memory], "r" * (4 + len(full))),
     ]  # fmt: skip
-    for m in memory:
-        lines.append(
-            f"| {m['model']} | {m['params'] / 1e9:.2f}B | {m['hsdp_fsdp2_GB']:.2f} | {m['hsdp_odc_GB']:.2f} | "
-            + " | ".join(f"{m[f'full_{g}_GB']:.2f}" for g in full)
-            + " |"
-        )
     payload = {"env": env, "setup": setup, "results": rows, "bandwidth_sweep": sweep, "memory": memory}
     write(args.out, stem, payload, "\n".join(lines) + "\n")
     print(f"wrote {args.out / stem}.{{json,md,png}}")

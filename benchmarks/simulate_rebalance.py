@@ -1,4 +1,4 @@
-"""odc_hf vs transformers' ``batch_rebalance``: predicted step times, balance and planning time (issue 30).
+"""odc_hf vs transformers' ``batch_rebalance``: predicted step times, balance and planning time.
 
 Run through ``benchmarks/simulate.py rebalance`` (a module of that script). For each workload and number of GPUs it
 plans the same global minibatches three ways and prices them with the library's step-time model
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 from report import RESULTS, env_markdown, environment, today, write
+from report import table as md_table
 
 from odc_hf.balance.planner import plan_lb_micro, plan_lb_mini
 from odc_hf.prediction.batch_rebalance import quadratic_coefficient, rebalance_plan
@@ -123,25 +124,21 @@ def configuration(args, workload, gpus, shape, cost_model, overheads) -> dict:
 
 
 def table(rows) -> list[str]:
-    out = [
-        "| workload | GPUs | steps | batch_rebalance s | LB-Micro s | ODC+LB-Mini s | bound s | **ODC / batch_rebalance** "
-        "(p10-p90 per step) | ODC / LB-Micro | padding waste | batch_rebalance packed compute s | imbalance: its model "
-        "/ measured | widest padded microbatch / budget | planning ms: batch_rebalance / LB-Micro / LB-Mini |",
-        "|---|" + "---:|" * 13,
-    ]
-    for r in rows:
-        ms = r["plan_ms_median"]
-        out.append(
-            f"| {r['workload']} | {r['gpus']} | {r['steps']} | {r['batch_rebalance']['total_s']:.3f} | "
-            f"{r['lb_micro']['total_s']:.3f} | {r['lb_mini']['total_s']:.3f} | {r['bound_s']:.3f} | "
-            f"**{r['odc_over_batch_rebalance']:.3f}x** ({r['odc_over_batch_rebalance_p10_p90'][0]:.3f}-"
-            f"{r['odc_over_batch_rebalance_p10_p90'][1]:.3f}) | {r['odc_over_lb_micro']:.3f}x | "
-            f"{r['padding_waste']:.1%} | {r['batch_rebalance_packed_compute_s']:.3f} | "
-            f"{r['its_imbalance']:.1%} / {r['measured_imbalance']:.1%} | "
-            f"{r['max_padded_tokens'] / r['budget']:.2f} | {ms['batch_rebalance']:.0f} / {ms['lb_micro']:.0f} / "
-            f"{ms['lb_mini']:.0f} |"
-        )
-    return out
+    return md_table(
+        ["workload", "GPUs", "steps", "batch_rebalance s", "LB-Micro s", "ODC+LB-Mini s", "bound s",
+         "**ODC / batch_rebalance** (p10-p90 per step)", "ODC / LB-Micro", "padding waste",
+         "batch_rebalance packed compute s", "imbalance: its model / measured", "widest padded microbatch / budget",
+         "planning ms: batch_rebalance / LB-Micro / LB-Mini"],
+        [[r["workload"], r["gpus"], r["steps"], f"{r['batch_rebalance']['total_s']:.3f}", f"{r['lb_micro']['total_s']:.3f}",
+          f"{r['lb_mini']['total_s']:.3f}", f"{r['bound_s']:.3f}",
+          f"**{r['odc_over_batch_rebalance']:.3f}x** ({r['odc_over_batch_rebalance_p10_p90'][0]:.3f}-"
+          f"{r['odc_over_batch_rebalance_p10_p90'][1]:.3f})", f"{r['odc_over_lb_micro']:.3f}x", f"{r['padding_waste']:.1%}",
+          f"{r['batch_rebalance_packed_compute_s']:.3f}", f"{r['its_imbalance']:.1%} / {r['measured_imbalance']:.1%}",
+          f"{r['max_padded_tokens'] / r['budget']:.2f}",
+          " / ".join(f"{r['plan_ms_median'][k]:.0f}" for k in ("batch_rebalance", "lb_micro", "lb_mini"))]
+         for r in rows],
+        "l" + "r" * 13,
+    )  # fmt: skip
 
 
 def plot(rows, path: Path, workloads, gpus) -> None:
