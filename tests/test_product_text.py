@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # what the product's text is: paths or globs relative to the repository root
-PRODUCT_TEXT = ("README.md", "docs/*.md")
+PRODUCT_TEXT = ("README.md", "docs/*.md", "odc_hf", "examples")  # the product: its pages, code and docstrings
 
 # a commit hash: 7-40 hex digits, with a digit and a letter (so neither "1234567" nor "defaced" counts)
 HASH = re.compile(r"(?<![\w./-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])")

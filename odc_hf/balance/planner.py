@@ -42,7 +42,7 @@ __all__ = [
 FALLBACK_SKIP_TOLERANCE = 1e-4
 """LB-Mini skips its LB-Micro fallback candidate when its own plan is within this fraction of the makespan lower
 bound: no plan beats the bound, so the candidate could win by this fraction at most (at 1,024 ranks it took half of
-LB-Mini's planning time and up to 5 s when refinement ended at 1.1e-5 above the bound, issue 30)."""
+LB-Mini's planning time and up to 5 s when refinement ended at 1.1e-5 above the bound)."""
 
 
 def effective_lengths(lengths, max_tokens: int, truncate: bool, *, what: str = "sample") -> np.ndarray:
@@ -127,7 +127,7 @@ def _ffd_bins(labels: np.ndarray, lengths: np.ndarray, num_parts: int, max_token
 
     Items are sorted by part, then longest first (ties: lower index), as :func:`pack_first_fit_decreasing` takes
     them. Round j places the j-th item of every part together (numpy over parts and their open bins), so the
-    Python loop runs over the largest part's item count, not over all items (issue 30: 65,536 samples over 1,024
+    Python loop runs over the largest part's item count, not over all items (65,536 samples over 1,024
     ranks took 0.2 s one part at a time).
     """
     items = np.arange(labels.size)
@@ -294,7 +294,7 @@ def _cost_balanced_labels(eff, costs, num_parts, max_tokens):
         return labels
     loads = np.bincount(labels, weights=costs, minlength=num_parts)
     others = np.arange(num_parts)
-    # members of every part from one argsort (a scan of all labels per move took a second at 1,024 ranks, issue 30)
+    # members of every part from one argsort (a scan of all labels per move took a second at 1,024 ranks)
     grouped = np.argsort(labels, kind="stable")
     starts = np.searchsorted(labels[grouped], np.arange(num_parts + 1))
     for part in over:

@@ -35,7 +35,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
     The final norm is a child of the transformers model, so it must be looked up there: on the wrapper, attribute
     forwarding lands one level short (``PeftModel.model`` is the causal LM, whose children are the backbone and
-    ``lm_head``), and an untied ``lm_head`` ended alone in a tail unit no forward ever gathers (issue 29).
+    ``lm_head``), and an untied ``lm_head`` would end alone in a tail unit no forward ever gathers.
     """
     for _ in range(8):  # wrappers nest (a compiled PeftModel); bounded, never a cycle
         if hasattr(model, "get_base_model"):
