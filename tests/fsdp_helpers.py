@@ -200,31 +200,49 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
     return record if rank == 0 else None
 
 
-def clip(model, max_norm: float, odc) -> float:
-    """Clip as the ODC trainers do, in both modes, so that ODC and FSDP2 collectives update bit for bit alike: the
-    local shards' squared norms summed in fp64 (``ODCHandle.clip_grad_norm_``: at ODC's barrier; FSDP2 collectives:
-    the same sum through an all-reduce), then torch's coefficient ``min(1, max_norm / (norm + 1e-6))``. No
-    functional collective, so it also runs where those cannot (gloo with CUDA tensors: ranks sharing a GPU)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+class _GroupSums:
+    """What ``odc_hf.fsdp.gradients.clip_grad_norm_`` asks of an ODC handle (one number summed / maximised over the
+    shard group), through the process group instead of ODC's barrier: the collective mode's clipping."""
 
-    if odc is not None:
-        return float(odc.clip_grad_norm_(model.parameters(), max_norm))
-    dtensors = [p.grad for p in model.parameters() if isinstance(p.grad, DTensor)]
-    mesh = dtensors[0].device_mesh if dtensors else None
-    group = mesh.get_group(mesh.ndim - 1) if mesh is not None else None  # HSDP: replicas hold equal shards
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()
-             if p.grad is not None]  # fmt: skip
-    squares = [torch.linalg.vector_norm(g, 2, dtype=torch.float64) ** 2 for g in grads if g.numel()]
-    local = float(torch.stack([s.cpu() for s in squares]).sum()) if squares else 0.0
-    gloo = "gloo" in str(dist.get_backend())
-    total = torch.tensor([local], dtype=torch.float64, device="cpu" if gloo else grads[0].device)
-    dist.all_reduce(total, group=group)  # two ranks: r0 + r1, the barrier's rank-order sum
-    norm = torch.tensor(float(total.item()) ** 0.5, dtype=torch.float32, device=grads[0].device)
-    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coefficient)
-    return float(norm)
+    def __init__(self, model):
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in model.parameters() if isinstance(p.grad, DTensor)]
+        mesh = grads[0].device_mesh if grads else None
+        self.group = mesh.get_group(mesh.ndim - 1) if mesh is not None else None  # HSDP: replicas hold equal shards
+        self.device = next(model.parameters()).device
+        self.on_cpu = "gloo" in str(dist.get_backend())
+
+    def _reduce(self, value: float, op) -> float:
+        import torch.distributed as dist
+
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device="cpu" if self.on_cpu else self.device)
+        dist.all_reduce(tensor, op=op, group=self.group)  # two ranks: r0 + r1, the barrier's rank-order sum
+        return float(tensor.item())
+
+    def reduce_sum(self, value: float, *, what: str = "") -> float:
+        import torch.distributed as dist
+
+        return self._reduce(value, dist.ReduceOp.SUM)
+
+    def reduce_max(self, value: float) -> float:
+        import torch.distributed as dist
+
+        return self._reduce(value, dist.ReduceOp.MAX)
+
+    def _device(self):
+        return self.device
+
+
+def clip(model, max_norm: float, odc) -> float:
+    """Clip as the ODC trainers do, in both modes, so that ODC and FSDP2 collectives update bit for bit alike:
+    ``odc_hf.fsdp.gradients.clip_grad_norm_`` (fp64 sums of the local shards' squared norms, torch's coefficient),
+    summed at ODC's barrier or, for FSDP2 collectives, by an all-reduce. No functional collective, so it also runs
+    where those cannot (gloo with CUDA tensors: ranks sharing a GPU)."""
+    from odc_hf.fsdp.gradients import clip_grad_norm_
+
+    return float(clip_grad_norm_(odc if odc is not None else _GroupSums(model), model.parameters(), max_norm))
 
 
 def check_partial_reduce_outputs(odc) -> None:

@@ -20,6 +20,7 @@ projections), its sampler and sleep mode's memory, and the two engines of two ra
 from __future__ import annotations
 
 import pytest
+from vllm_runs import digit_reward
 
 from odc_hf.testing import run_ranks
 
@@ -34,10 +35,6 @@ IS_KEYS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_dif
            "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
            "sampling/importance_sampling_ratio/max")  # fmt: skip
 NOT_COMPARED = ("step", "epoch", "learning_rate", "step_time")
-
-
-def digit_reward(completions, **kwargs) -> list[float]:
-    return [sum(ch.isdigit() for ch in text) / max(1, len(text)) for text in completions]
 
 
 def _train(rank: int, world: int, out: str, trainer_name: str, *, sleep: bool = False, peft: bool = False,

@@ -48,5 +48,5 @@ def clip_grad_norm_(handle, parameters: Iterable[torch.Tensor], max_norm: float,
     if max_norm != float("inf"):
         coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)  # as torch's clip_grads_with_norm_
         for g in grads:
-            g.mul_(coefficient.to(g.device))
+            g.mul_(coefficient)
     return total_norm

@@ -224,7 +224,7 @@ def plan_checkpointing(path: ComputePath, model, *, policy: str, tokens: int, de
                                      num_layers=len(layers))  # fmt: skip
         # ranks sharing a GPU (shared_gpu) plan against their share of its memory
         total = (device_memory_gib * GIB if device_memory_gib
-                 else torch.cuda.get_device_properties(device).total_memory / shared_gpu.device_memory_share())  # fmt: skip
+                 else torch.cuda.get_device_properties(device).total_memory / shared_gpu.ranks_per_gpu())  # fmt: skip
         memory, total = _agree(memory, float(total), device)
         n, fits = choose_checkpointing(memory, tokens, DEVICE_HEADROOM * total)
         path.memory_model, path.device_bytes = memory.to_dict(), total

@@ -166,11 +166,6 @@ def default_ddp_backend(requested: str | None, environ=None) -> str | None:
     return BACKEND
 
 
-def device_memory_share(environ=None) -> int:
-    """The number of ranks each GPU's memory is divided among (for memory planning): :func:`ranks_per_gpu`."""
-    return ranks_per_gpu(environ)
-
-
 __all__ = [
     "BACKEND",
     "active",
@@ -179,7 +174,6 @@ __all__ = [
     "default_ddp_backend",
     "describe",
     "device",
-    "device_memory_share",
     "init_process_group",
     "localize_rank",
     "ranks_per_gpu",

@@ -165,7 +165,7 @@ class CudaTransport(Transport):
         nbytes = staging_bytes + slots * spec.accum_numel * 4
         views = self._buffers.allocate(nbytes)
         if not self._checked:  # once: a mapping that does not work stops here, not as wrong gradients later
-            peer_memory_module.check_ipc_allocation(
+            peer_memory_module.check_peer_mappings(
                 views, self.rank, self.world_size,
                 lambda what: self.control.barrier(what=what, minibatch=self.minibatch),
             )  # fmt: skip

@@ -16,7 +16,7 @@ Triton atomics work on either.
 
 Expandable segments (odc_hf turns them on, ``odc_hf/integrations/cuda_allocator.py``): torch exports such
 allocations as POSIX file descriptors rather than ``cudaIpcMemHandle`` s, which peers open through ``pidfd_getfd``;
-:func:`check_ipc_allocation` reads back what a peer wrote into a mapped buffer at registration, so a mapping that
+:func:`check_peer_mappings` reads back what a peer wrote into a mapped buffer at registration, so a mapping that
 does not work stops the job with a clear error instead of training on garbage.
 
 ``torch.distributed._symmetric_memory`` is a private module: every use of it is in this file, behind
@@ -176,7 +176,7 @@ def make_buffers(backend: str, group: dist.ProcessGroup, rank: int, world_size: 
     return cls(group, rank, world_size, device)
 
 
-def check_ipc_allocation(views: list[torch.Tensor], rank: int, world_size: int, barrier) -> None:
+def check_peer_mappings(views: list[torch.Tensor], rank: int, world_size: int, barrier) -> None:
     """Registration-time proof that peer mappings work: every rank writes its rank into the first byte of its own
     buffer, then reads every peer's byte through the mapping (and zeroes its own again).
 
