@@ -66,3 +66,27 @@ def environment_restored():
     for name, value in before.items():
         if name != "PYTEST_CURRENT_TEST" and os.environ.get(name) != value:
             os.environ[name] = value
+
+
+def _untested_versions() -> list[str]:
+    from odc_hf.version import TESTED, untested
+
+    return [line for line in (untested(package) for package in TESTED) if line is not None]
+
+
+def pytest_report_header(config):
+    """The versions under test, and which of them odc_hf was not tested on (the lock installs tested ones)."""
+    from odc_hf.version import TESTED, installed_version
+
+    found = ", ".join(f"{p} {installed_version(p)}" for p in TESTED if installed_version(p) is not None)
+    lines = [f"odc_hf version policy: {found}"]
+    lines += [f"UNTESTED: {line.split('. odc_hf goes on')[0]}" for line in _untested_versions()]
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter):
+    untested = _untested_versions()
+    if untested:
+        terminalreporter.section("untested versions")
+        for line in untested:
+            terminalreporter.write_line(f"UNTESTED: {line.split('. odc_hf goes on')[0]} (odc_hf.version.TESTED)")

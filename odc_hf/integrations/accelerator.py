@@ -37,6 +37,7 @@ from odc_hf.fsdp.sharding import gather_head_with_final_norm
 from odc_hf.integrations import parallelism, shared_gpu
 from odc_hf.integrations.launch_config import check_launch_config
 from odc_hf.integrations.plugin import ODCFSDPPlugin, as_odc_plugin, refuse_other_engines
+from odc_hf.version import warn_if_untested
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +288,7 @@ def adopt(
     before ``prepare``. ``parallelism_config``: on a CPU host, the ``ParallelismConfig`` odc_hf kept away from
     accelerate's constructor (:mod:`odc_hf.integrations.parallelism`); its mesh is built here (a collective).
     """
+    warn_if_untested("torch", "accelerate")
     if parallelism_config is not None:
         parallelism.hold_on_cpu(accelerator, parallelism_config)
     parallelism.check_topology(accelerator.parallelism_config, accelerator.num_processes)

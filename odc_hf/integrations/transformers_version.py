@@ -2,11 +2,12 @@
 at its top level (private methods and attributes, names of its submodules), in one place, with the versions they
 were tested on.
 
-odc_hf runs on transformers >= 5.17; it is tested on :data:`TESTED_TRANSFORMERS` (5.17 on the GPU image, 5.24 on
-CPU). A private name can disappear or change meaning in any release. A name that disappears is found at start-up
-(:func:`check_trainer`) or by ``tests/test_transformers_surface.py``, which checks every name listed here against the
-installed transformers and that this list covers every private Trainer method the ODC trainers override. Add a
-version to :data:`TESTED_TRANSFORMERS` once that test and the parity tests (``tests/test_*parity.py``) pass on it.
+odc_hf runs on transformers >= 5.17; it is tested on :data:`TESTED_TRANSFORMERS` (``odc_hf.version.TESTED``: 5.17 on
+the GPU image, the locked version on CPU) and warns once on another minor (:func:`odc_hf.version.warn_if_untested`).
+A private name can disappear or change meaning in any release. A name that disappears is found at start-up
+(:func:`check_trainer`, which refuses naming it) or by ``tests/test_transformers_surface.py``, which checks every name
+listed here against the installed transformers and that this list covers every private Trainer method the ODC
+trainers override. Add a version to ``odc_hf.version.TESTED`` once that test and the parity tests pass on it.
 
 The ODC trainers import the submodule names below from here; ``odc_hf.attention`` (a lower layer) imports its own
 two, listed in :data:`SUBMODULE_NAMES` all the same.
@@ -20,8 +21,10 @@ from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import is_flash_attn_4_available
 
-TESTED_TRANSFORMERS = ("5.17", "5.24")
-"""transformers minors odc_hf is tested on: 5.17 (the GPU image) and 5.24 (CPU)."""
+from odc_hf.version import TESTED, warn_if_untested
+
+TESTED_TRANSFORMERS = TESTED["transformers"]
+"""transformers minors odc_hf is tested on (a view of ``odc_hf.version.TESTED``)."""
 
 TRAINER_HOOKS = (
     "_build_accelerator_args",  # where the Trainer builds its accelerator's arguments: ODC's FSDP plugin goes in
@@ -70,7 +73,8 @@ def checkpointing_installed(layer) -> bool:
 
 def check_trainer(trainer_cls: type) -> None:
     """Raise when ``trainer_cls`` lacks a private Trainer method of :data:`TRAINER_HOOKS` it overrides or calls
-    (a transformers that renamed it), naming it and the tested versions."""
+    (a transformers that renamed it), naming it and the tested versions; warn once on an untested transformers."""
+    warn_if_untested("transformers")
     missing = [name for name in TRAINER_HOOKS if not callable(getattr(trainer_cls, name, None))]
     if missing:
         raise RuntimeError(

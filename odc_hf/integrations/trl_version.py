@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
-from packaging.version import Version
+from odc_hf.version import TESTED, warn_if_untested
 
-# The one TRL version policy of odc_hf: its TRL trainers run only on the TRL minor versions they were tested on.
-# Both read private TRL names (SFT: ``_metrics`` and ``_total_train_tokens``, re-aggregated once per step; GRPO:
-# ``_generate_and_score_completions``, ``_get_train_sampler``, ``_metrics`` and the batch keys and loss normalisers of
-# ``_compute_loss``). A name that disappears can be detected, one whose meaning changes cannot: it would give wrong
-# losses or metrics without an error. So another minor is refused with a message saying what to install; add it
-# here once tests/test_grpo_trl_surface.py and the parity tests (tests/test_*parity.py) pass on it.
-TESTED_TRL = ("1.16",)
+# The one TRL version policy of odc_hf (odc_hf.version's policy applied to TRL). Both trainers read private TRL names
+# (SFT: ``_metrics`` and ``_total_train_tokens``, re-aggregated once per step; GRPO: ``_generate_and_score_completions``,
+# ``_get_train_sampler``, ``_metrics`` and the batch keys and loss normalisers of ``_compute_loss``). A name that
+# disappears is refused by name; one whose meaning changes cannot be detected at run time, so another minor warns
+# once, naming the tested ones. Add a minor to odc_hf.version.TESTED once tests/test_grpo_trl_surface.py and the
+# parity tests (tests/test_*parity.py, tests/test_model_zoo.py) pass on it.
+TESTED_TRL = TESTED["trl"]
 
 SFT_PRIVATE_ATTRIBUTES = ("_metrics", "_total_train_tokens")
 """What ``ODCSFTTrainer`` reads of TRL's ``SFTTrainer``: its metrics, re-aggregated once per step."""
@@ -24,21 +24,16 @@ GRPO_PRIVATE_ATTRIBUTES = ("_metrics", "loss_type", "beta", "ref_model", "max_co
 
 
 def check_trl(trainer, trainer_name: str, *, methods=(), attributes=()) -> None:
-    """Refuse a TRL outside :data:`TESTED_TRL`, or a trainer lacking the private ``methods`` / ``attributes`` odc_hf
-    reads, with a message saying what to install."""
+    """Warn once on a TRL outside :data:`TESTED_TRL`; refuse a trainer lacking the private ``methods`` /
+    ``attributes`` odc_hf reads, naming them and the tested versions."""
     import trl
 
-    version = Version(trl.__version__)
-    if f"{version.major}.{version.minor}" not in TESTED_TRL:
-        raise RuntimeError(
-            f"{trainer_name} reads private parts of TRL's trainers and was written for trl {TESTED_TRL}; found trl "
-            f"{trl.__version__}. Install trl=={TESTED_TRL[-1]}.* (or test odc_hf on this TRL and add it to "
-            "TESTED_TRL in odc_hf/integrations/trl_version.py)"
-        )
+    warn_if_untested("trl", versions={"trl": trl.__version__})
     missing = [n for n in methods if not callable(getattr(trainer, n, None))]
     missing += [n for n in attributes if not hasattr(trainer, n)]
     if missing:
-        raise RuntimeError(f"trl {trl.__version__}: {trainer_name} lacks {missing}; odc_hf was tested on trl {TESTED_TRL}")
+        raise RuntimeError(f"trl {trl.__version__}: {trainer_name} lacks {missing}, private TRL names odc_hf reads; "
+                           f"odc_hf was tested on trl {', '.join(TESTED_TRL)}: install one of those")
 
 
 def check_trl_sft(trainer) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from odc_hf.integrations.vllm_weights import LoraMerge, vllm_weights
+from odc_hf.version import TESTED
 
 # TRL 1.16 VLLMGeneration attributes this module reads or sets; checked by adopt_generation (tests/test_grpo_vllm.py)
 TRL_GENERATION_ATTRIBUTES = ("mode", "llm", "enable_sleep_mode")
@@ -99,6 +100,10 @@ def adopt_generation(generation, source: Callable[[], Iterable[tuple[str, torch.
         raise RuntimeError(
             f"TRL's VLLMGeneration lacks {missing}: odc_hf's vLLM weight sync was written for TRL 1.16"
         )
+    llm = getattr(generation, "llm", None)
+    if llm is not None and not callable(getattr(llm, "apply_model", None)):
+        raise RuntimeError(f"{type(llm).__name__} lacks apply_model, through which odc_hf pushes its weights into the "
+                           "vLLM engine; odc_hf was tested on vllm " + ", ".join(TESTED["vllm"]))  # fmt: skip
     if not isinstance(generation, ODCWeightSync):
         generation.__class__ = _with_weight_sync(type(generation))
     generation.odc_source, generation.odc_lora, generation.odc_sync_seconds = source, lora, []

@@ -2,9 +2,10 @@
 
 odc_hf pushes its weights into the colocated engine through vLLM's ``LLM.apply_model`` and the model's
 ``load_weights``, and relies on TRL's ``VLLMGeneration`` for everything else; it is tested on the vLLM minor versions
-in :data:`TESTED_VLLM` only. vllm 0.26.0 is the last release that pins torch 2.11 (with CUDA 13 extras); 0.28 and
-later pin torch 2.13. Another minor is refused with a message saying what to install; add it here once the GPU tests
-(``tests/test_grpo_vllm_gpu.py``) pass on it.
+in :data:`TESTED_VLLM` (``odc_hf.version.TESTED``). vllm 0.26.0 is the last release that pins torch 2.11 (with CUDA 13
+extras); 0.28 and later pin torch 2.13. Another minor warns once, naming the tested ones (odc_hf's version policy:
+``odc_hf.version``); a missing ``LLM.apply_model`` is refused by name. Add a minor to ``odc_hf.version.TESTED`` once
+the GPU tests (``tests/test_grpo_vllm_gpu.py``) pass on it.
 
 The environment vLLM needs beside a trainer, set where the user has not set it (their value is kept), before TRL
 builds the engine (:func:`prefer_vllm_environment`):
@@ -24,9 +25,9 @@ import importlib.util
 import os
 from collections.abc import MutableMapping
 
-from packaging.version import Version
+from odc_hf.version import TESTED, warn_if_untested
 
-TESTED_VLLM = ("0.26",)
+TESTED_VLLM = TESTED["vllm"]
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 FLASHINFER_SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
 
@@ -40,20 +41,15 @@ def installed_vllm() -> str | None:
 
 
 def check_vllm(version: str | None = None) -> str:
-    """Refuse a missing vLLM or one outside :data:`TESTED_VLLM`, saying what to install; returns the version."""
+    """Refuse a missing vLLM, saying what to install; warn once on one outside :data:`TESTED_VLLM`; returns the
+    version."""
     version = version or installed_vllm()
     if version is None:
         raise ImportError(
             f"use_vllm=True needs vLLM: pip install 'odc_hf[vllm]' (vllm=={TESTED_VLLM[-1]}.0, which pins torch 2.11), "
             "or generate with use_vllm=False"
         )
-    parsed = Version(Version(version).base_version)
-    if f"{parsed.major}.{parsed.minor}" not in TESTED_VLLM:
-        raise RuntimeError(
-            f"odc_hf's vLLM weight sync was tested with vllm {TESTED_VLLM}; found vllm {version}. Install "
-            f"vllm=={TESTED_VLLM[-1]}.0 (pip install 'odc_hf[vllm]'), or test odc_hf on this vLLM and add it to "
-            "TESTED_VLLM in odc_hf/integrations/vllm_version.py"
-        )
+    warn_if_untested("vllm", versions={"vllm": version})
     return version
 
 

@@ -1,0 +1,134 @@
+"""odc_hf's version policy (odc_hf.version): the lock the tests install through lists tested versions only and
+covers every requirement; an untested minor warns once on rank 0, naming the tested ones, and is not refused;
+a missing name is refused by name."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from odc_hf import version
+from odc_hf.integrations import transformers_version, trl_version, vllm_version
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCK = ROOT / "tests" / "constraints.txt"
+
+
+def _lock() -> dict[str, str]:
+    pins = {}
+    for line in LOCK.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, pinned = line.partition("==")
+            assert pinned, f"tests/constraints.txt: {line!r} is not an exact pin"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = pinned
+    return pins
+
+
+def test_the_lock_pins_a_tested_minor_of_every_policy_package():
+    pins = _lock()
+    for package, tested in version.TESTED.items():
+        if package == "vllm":  # not in the CPU lock: vLLM pins a CUDA torch (the vllm extra, GPU tests)
+            assert package not in pins
+            continue
+        assert version.minor(pins[package]) in tested, f"the lock installs {package} {pins[package]}; tested: {tested}"
+
+
+def test_the_lock_covers_every_requirement_of_the_test_install():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
+    pins = _lock()
+    for requirement in requirements:
+        name = re.sub(r"[-_.]+", "-", requirement.name).lower()
+        assert name in pins, f"{requirement.name} is required but not locked: run .ci/update_lock"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (requirement, pins[name])
+
+
+def test_the_version_lists_are_views_of_one_table():
+    assert transformers_version.TESTED_TRANSFORMERS is version.TESTED["transformers"]
+    assert trl_version.TESTED_TRL is version.TESTED["trl"]
+    assert vllm_version.TESTED_VLLM is version.TESTED["vllm"]
+    assert version.TESTED_TORCH is version.TESTED["torch"]
+
+
+@pytest.fixture
+def fresh_policy(monkeypatch):
+    monkeypatch.setattr(version, "_warned", set())
+    monkeypatch.delenv("RANK", raising=False)
+
+
+def test_an_untested_minor_warns_once_naming_the_tested_ones(fresh_policy):
+    with pytest.warns(version.UntestedVersionWarning) as caught:
+        assert version.warn_if_untested("transformers", versions={"transformers": "5.99.1"}) == ["transformers"]
+    (message,) = [str(w.message) for w in caught]
+    assert "transformers 5.99.1 is not a version odc_hf was tested on" in message
+    assert all(minor in message for minor in version.TESTED["transformers"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: a second call is silent
+        assert version.warn_if_untested("transformers", versions={"transformers": "5.99.1"}) == []
+
+
+def test_a_tested_minor_and_other_ranks_stay_silent(fresh_policy, monkeypatch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tested = {p: f"{v[-1]}.3" for p, v in version.TESTED.items()}
+        assert version.warn_if_untested(*tested, versions=tested) == []
+        monkeypatch.setenv("RANK", "1")
+        assert version.warn_if_untested("accelerate", versions={"accelerate": "9.0.0"}) == []
+
+
+@pytest.mark.parametrize(
+    "package,raw,expected",
+    [("torch", "2.11.0+cu130", None), ("torch", "2.15.0", "2.15"), ("vllm", "0.26.0+cu130", None),
+     ("trl", "1.17.0.dev0", "1.17")],
+)  # fmt: skip
+def test_minor_of_local_and_development_versions(package, raw, expected):
+    assert (version.untested(package, raw) is None) == (expected is None)
+    if expected is not None:
+        assert f"{package} {raw} is not a version" in version.untested(package, raw)
+
+
+def test_another_trl_minor_warns_and_a_missing_name_is_refused(fresh_policy, monkeypatch):
+    import trl
+
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+
+    class HasAll:
+        _metrics = {}
+        _total_train_tokens = 0
+
+    with pytest.warns(version.UntestedVersionWarning, match="trl 1.17.0"):
+        trl_version.check_trl_sft(HasAll())  # warns, goes on
+    with pytest.raises(RuntimeError, match=r"lacks \['_total_train_tokens'\]"):
+        trl_version.check_trl_sft(type("Renamed", (), {"_metrics": {}})())
+
+
+def test_another_vllm_minor_warns_and_a_missing_vllm_is_refused(fresh_policy):
+    with pytest.warns(version.UntestedVersionWarning, match="vllm 0.34.0"):
+        assert vllm_version.check_vllm("0.34.0") == "0.34.0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert vllm_version.check_vllm("0.26.0+cu130") == "0.26.0+cu130"
+
+
+def test_a_vllm_engine_without_apply_model_is_refused():
+    from odc_hf.integrations.vllm_sync import adopt_generation
+
+    generation = type("Generation", (), {"mode": "colocate", "llm": object(), "enable_sleep_mode": False})()
+    with pytest.raises(RuntimeError, match="object lacks apply_model"):
+        adopt_generation(generation, source=lambda: [])
+
+
+def test_ci_runs_exactly_the_readme_test_command_through_the_lock():
+    readme = (ROOT / "README.md").read_text()
+    (command,) = [line for line in readme.splitlines() if line.startswith("pip install") and "pytest" in line]
+    assert "-c tests/constraints.txt" in command
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+    (main_job,) = [line for line in readme.splitlines() if line.startswith("pip install") and "examples/sft.py" in line]
+    assert "-c tests/constraints.txt" in main_job
