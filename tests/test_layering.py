@@ -35,8 +35,10 @@ LAYERS = {
     "odc_hf": 7,  # the package's __init__ (its exports are lazy)
 }  # fmt: skip
 # The modules at the package root: the public config and the version checks everything imports (layer 0), the
-# attention implementation a user registers by importing it, the three documented commands, and the __init__.
-ROOT_MODULES = {"__init__", "config", "version", "attention", "run", "estimate", "offline"}
+# three documented commands, and the __init__; the attention implementation a user registers by importing it is the
+# one root package (odc_hf.attention, with its per-document variants).
+ROOT_MODULES = {"__init__", "config", "version", "run", "estimate", "offline"}
+ROOT_PACKAGES = {"attention", "balance", "fsdp", "integrations", "prediction", "testing", "transport"}
 HUGGING_FACE = ("transformers", "accelerate", "trl", "peft", "datasets")
 FORBIDDEN = {  # modules a package must not import
     "odc_hf.transport": HUGGING_FACE,
@@ -122,6 +124,7 @@ def test_the_package_root_holds_only_the_named_modules():
     """New modules go into the package of what they are (transport, fsdp, balance, prediction, integrations,
     testing); a module at the root is a decision, named in ROOT_MODULES with its reason."""
     assert {p.stem for p in (ROOT / "odc_hf").glob("*.py")} == ROOT_MODULES
+    assert {p.parent.name for p in (ROOT / "odc_hf").glob("*/__init__.py")} == ROOT_PACKAGES
 
 
 def test_benchmark_scripts_are_imported_only_through_shared_modules():

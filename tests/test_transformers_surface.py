@@ -40,6 +40,8 @@ def test_private_attributes_exist():
     assert set(tv.PRIVATE_ATTRIBUTES) == {"PretrainedConfig", "PreTrainedModel", "GradientCheckpointingLayer"}
     assert "_attn_implementation" in tv.PRIVATE_ATTRIBUTES["PretrainedConfig"] and tv.attn_implementation(model)
     assert hasattr(transformers.PreTrainedModel, "_supports_flash_attn") and tv.supports_flash_attention(model)
+    assert hasattr(transformers.PreTrainedModel, "_supports_sdpa") and tv.supports_sdpa(model)
+    assert not tv.supports_sdpa(transformers.GptOssForCausalLM)  # no SDPA: the sinks (eager_varlen instead)
     enable_checkpointing(model, 1)  # transformers' own switch, the name of this transformers version
     layers = [m for m in model.modules() if isinstance(m, transformers.GradientCheckpointingLayer)]
     assert layers and all(tv.checkpointing_installed(layer) for layer in layers)

@@ -24,6 +24,14 @@ import torch
 from transformers import AttentionInterface
 
 import odc_hf.attention
+from odc_hf.integrations.model_family import (
+    FLASH_ATTENTION_4_ARGUMENTS,
+    FamilyNeeds,
+    check_packable,
+    flash_attention_4_arguments,
+    flash_attention_4_gap,
+    needs_of,
+)
 from odc_hf.integrations.transformers_version import (
     attn_implementation,
     is_flash_attn_4_available,
@@ -129,11 +137,14 @@ class AttentionChoice(Mapping):
         return len(self.__dataclass_fields__)
 
 
-def resolve_attention(choice: str, current: str | None, problem: str | None, varlen_name: str) -> tuple[str, str]:
+def resolve_attention(choice: str, current: str | None, problem: str | None, varlen_name: str,
+                      default: str = TRANSFORMERS_DEFAULT) -> tuple[str, str]:  # fmt: skip
     """``(attn_implementation, why)`` for ``ODCConfig.attention`` = ``choice`` on a model now on ``current``.
 
     ``problem``: :func:`fa4_problem`'s answer for this run; ``varlen_name``: the ``sdpa_varlen`` setting ODCConfig
-    names. Raises ValueError when ``flash_attention_4`` is forced where it cannot run."""
+    names (``eager_varlen`` for a family without SDPA support); ``default``: what transformers gives this model when
+    asked for nothing (``"eager"`` for a family without SDPA support). Raises ValueError when ``flash_attention_4`` is
+    forced where it cannot run."""
     if choice == "model":
         return current, "attention='model': the model's own"
     if choice == FLASH_ATTENTION_4:
@@ -143,11 +154,30 @@ def resolve_attention(choice: str, current: str | None, problem: str | None, var
         return FLASH_ATTENTION_4, "attention='flash_attention_4'"
     if choice == "sdpa_varlen":
         return varlen_name, "attention='sdpa_varlen'"
-    if current not in (None, TRANSFORMERS_DEFAULT) and not is_varlen(current):
-        return current, f"attention='auto' keeps {current!r}: the model was given it (auto replaces only 'sdpa' and sdpa_varlen)"
+    if current not in (None, default) and not is_varlen(current):
+        return current, (f"attention='auto' keeps {current!r}: the model was given it (auto replaces only "
+                         f"transformers' default {default!r} and odc_hf's per-document attention)")  # fmt: skip
     if problem is None:
         return FLASH_ATTENTION_4, "attention='auto': FlashAttention-4 runs here"
-    return varlen_name, f"attention='auto': sdpa_varlen because {problem}"
+    return varlen_name, f"attention='auto': {varlen_name} because {problem}"
+
+
+def fa4_variant_problem(needs: FamilyNeeds) -> str | None:
+    """Why FlashAttention-4 cannot apply this family's attention variants (windows, soft-capping, sinks), or None."""
+    gap = flash_attention_4_gap(needs, flash_attention_4_arguments())
+    if not gap:
+        return None
+    names = [FLASH_ATTENTION_4_ARGUMENTS[v] for v in gap]
+    return f"{needs.family} uses {gap} and the installed FlashAttention-4's varlen kernel takes no {names}"
+
+
+def check_flash_variants(name: str | None, needs: FamilyNeeds) -> None:
+    """Refuse transformers' FlashAttention-2 for a family with attention sinks: transformers passes ``s_aux`` only to
+    kernels that take it, and FA2's do not (the model would silently train without its sinks)."""
+    if name == "flash_attention_2" and needs.sinks:
+        raise ValueError(f"{needs.family} uses attention sinks, which FlashAttention-2 does not apply (transformers "
+                         "drops them): use ODCConfig(attention='auto') (FlashAttention-4 or eager_varlen) or load the "
+                         "model with attn_implementation='eager'")  # fmt: skip
 
 
 def choose_attention(trainer) -> AttentionChoice:
@@ -157,13 +187,21 @@ def choose_attention(trainer) -> AttentionChoice:
     (``trainer.odc_attention_choice``), the one source of the run's attention from then on."""
     config, accelerator = trainer.odc_config, trainer.accelerator
     model = accelerator.unwrap_model(trainer.model)
+    needs = needs_of(model)
     current = attn_implementation(model)
     param = next(model.parameters(), None)
     dtype = attention_dtype(accelerator.mixed_precision, param.dtype if param is not None else None)
-    varlen_name = odc_hf.attention.register(odc_hf.attention.VarlenAttention(
-        shape_bucket=config.attention_shape_bucket, varlen_kernel=config.attention_varlen_kernel))  # fmt: skip
-    problem = fa4_problem(accelerator.device, dtype, model) if config.attention in ("auto", FLASH_ATTENTION_4) else None
-    name, reason = resolve_attention(config.attention, current, problem, varlen_name)
+    varlen = odc_hf.attention.VarlenAttention(shape_bucket=config.attention_shape_bucket,
+                                              varlen_kernel=config.attention_varlen_kernel, eager=not needs.sdpa)  # fmt: skip
+    varlen_name = odc_hf.attention.register(varlen)
+    problem = None
+    if config.attention in ("auto", FLASH_ATTENTION_4):
+        problem = fa4_problem(accelerator.device, dtype, model) or fa4_variant_problem(needs)
+    default = TRANSFORMERS_DEFAULT if needs.sdpa else "eager"  # what transformers picks when asked for nothing
+    name, reason = resolve_attention(config.attention, current, problem, varlen_name, default)
+    # multimodal models, non-attention layers, chunked attention outside transformers' masks: refused by name
+    check_packable(model, masked=not (is_varlen(name) or is_flash(name)))
+    check_flash_variants(name, needs)
     for target in (model, getattr(trainer, "ref_model", None)):
         target = accelerator.unwrap_model(target) if target is not None else None
         if target is not None and name is not None and attn_implementation(target) != name:
@@ -175,8 +213,8 @@ def choose_attention(trainer) -> AttentionChoice:
                 "odc_hf packs several documents per microbatch; with attn_implementation=%r transformers isolates "
                 "them with a dense block-diagonal mask, which costs full-row attention (measured 2.6x slower for a "
                 "2-document 28k-token row on an H200). Let ODCConfig(attention='auto') choose (flash_attention_4 "
-                "where it runs, else sdpa_varlen: per-document SDPA, same results), or load the model with "
-                'attn_implementation="sdpa_varlen" or "flash_attention_2".',
+                "where it runs, else sdpa_varlen / eager_varlen: per-document attention, same results), or load the "
+                'model with attn_implementation="sdpa_varlen" ("eager_varlen" for families without SDPA).',
                 name,
             )
     return AttentionChoice(choice=config.attention, implementation=name, reason=reason)

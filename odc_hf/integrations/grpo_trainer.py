@@ -64,6 +64,7 @@ from odc_hf.integrations.grpo_batch import (
 )
 from odc_hf.integrations.grpo_config import check_arguments, refusals
 from odc_hf.integrations.grpo_metrics import CLIP_EXTREMES, MetricRecorder, SliceMetrics, mean_keys, rows
+from odc_hf.integrations.model_family import every_rank_values
 from odc_hf.integrations.train_data import padded_worst_case, resolve_max_tokens
 from odc_hf.integrations.trainer import ODCMixin
 from odc_hf.integrations.trl_version import check_trl_grpo
@@ -297,11 +298,11 @@ class _GRPOPart:
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         if self._odc_replay is not None:  # recomputing a slice's metrics: the training forward's values, no forward
             return self._odc_replay
-        if self.odc_grpo_packed and not args and not kwargs.get("compute_aux_loss") and all(
+        if self.odc_grpo_packed and not args and all(
             kwargs.get(k) is None for k in kwargs if k not in ("batch_size", "compute_entropy", "compute_aux_loss")
-        ):  # text-only: packed rows (multimodal inputs and MoE aux losses stay on TRL's padded rows)
+        ):  # text-only inputs: packed rows
             out = self._odc_packed_logps(model, input_ids, attention_mask, logits_to_keep, kwargs.get("batch_size"),
-                                         kwargs.get("compute_entropy", False))  # fmt: skip
+                                         kwargs.get("compute_entropy", False), kwargs.get("compute_aux_loss", False))  # fmt: skip
         else:
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
                                                              **kwargs)  # fmt: skip
@@ -309,15 +310,19 @@ class _GRPOPart:
             self._odc_forward = out
         return out
 
-    def _odc_packed_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy):
-        """TRL's per-token log-probs (and entropies) of a padded (rows, columns) batch, from forwards on packed rows.
+    def _odc_packed_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                          compute_aux_loss=False):  # fmt: skip
+        """TRL's per-token log-probs (and entropies, and a MoE model's router loss) of a padded (rows, columns)
+        batch, from forwards on packed rows.
 
         The training microbatch brings its packed row (built on the CPU by the collator); other calls (the reference
         model's and old-policy log-probs during generation, evaluation) pack TRL's chunks of ``batch_size`` rows
-        here, reading the mask once per chunk."""
+        here, reading the mask once per chunk. The router loss of a packed row counts its real tokens, as TRL's over
+        the padded rows' attention mask does; several chunks give their mean, as in TRL."""
         size = input_ids.size(0)
         batch_size = batch_size or size
-        logps, entropies = [], []
+        logps, entropies, aux = [], [], []
+        router = {"output_router_logits": True} if compute_aux_loss else {}
         for start in range(0, size, batch_size):
             packed = self._odc_packed
             if packed is None or start > 0 or packed["index"].shape != (size, logits_to_keep) or batch_size < size:
@@ -326,10 +331,12 @@ class _GRPOPart:
             packed = {k: v.to(input_ids.device) if isinstance(v, torch.Tensor) else v for k, v in packed.items()}
             index = packed.pop("index")
             with self.accelerator.autocast():
-                out = model(**packed, fused_lm_head=True)
+                out = model(**packed, fused_lm_head=True, **router)
             logps.append(scatter_packed(out.log_probs, index))
             entropies.append(scatter_packed(out.entropy, index) if compute_entropy else None)
-        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+            aux.append(out.aux_loss)
+        return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None,
+                torch.stack(aux).mean() if compute_aux_loss else None)  # fmt: skip
 
     @torch.no_grad()
     def _odc_recompute_metrics(self, model, inputs: dict, slices: torch.Tensor) -> None:
@@ -355,7 +362,8 @@ class _GRPOPart:
     def odc_before_bundle(self):
         self.odc_slice_metrics = SliceMetrics(self.odc_folded_accumulation, self.beta)
         metrics = self._metrics["train"]
-        return {k: len(metrics[k]) for k in (*mean_keys(self.beta), *CLIP_EXTREMES)}
+        router = ("aux_loss",) if self.aux_loss_enabled else ()
+        return {k: len(metrics[k]) for k in (*mean_keys(self.beta), *CLIP_EXTREMES, *router)}
 
     def odc_after_bundle(self, snapshot, bundle) -> None:
         """Replace what TRL's ``_compute_loss`` appended per ODC microbatch by its per-slice values (one gather)."""
@@ -365,6 +373,9 @@ class _GRPOPart:
         for key, values in self.odc_slice_metrics.combine(every).items():
             del metrics[key][snapshot[key] :]
             metrics[key].extend(values)
+        if self.aux_loss_enabled:  # MoE: one value per microbatch, as TRL appends them, every rank's
+            start = snapshot["aux_loss"]
+            metrics["aux_loss"][start:] = every_rank_values(self.accelerator, metrics["aux_loss"][start:])
 
     def log(self, logs, *args, **kwargs):
         if "loss" in logs and self.odc_plan_summary:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from trl import SFTTrainer
 
+from odc_hf.integrations.model_family import every_rank_values
 from odc_hf.integrations.trainer import ODCMixin
 from odc_hf.integrations.trl_version import TESTED_TRL, check_trl_sft
 
-_AVERAGED = ("entropy", "mean_token_accuracy", "aux_loss")
-_TOKEN_WEIGHTED = ("entropy", "mean_token_accuracy")  # ratios over a step's label tokens in TRL
+_AVERAGED = ("entropy", "mean_token_accuracy")  # ratios over a step's label tokens in TRL
 
 
 class _SFTPart:
@@ -27,7 +27,8 @@ class _SFTPart:
     TRL computes ``entropy`` and ``mean_token_accuracy`` of a step over all its label tokens (sums over the batch,
     divided by its label-token count). Its per-microbatch values here are ratios over each microbatch's label tokens,
     so each is weighted by that count (``num_label_tokens``) to rebuild the step's ratio; a microbatch without label
-    tokens (TRL records 0.0 for it) weighs nothing. ``aux_loss`` is a plain mean, as in TRL.
+    tokens (TRL records 0.0 for it) weighs nothing. ``aux_loss`` (MoE) is one value per microbatch in TRL: every
+    rank's values of the step are appended, so that the logged mean is TRL's over the same microbatches.
     """
 
     def __init__(self, *args, **kwargs):
@@ -64,7 +65,7 @@ class _SFTPart:
 
     def odc_before_bundle(self):
         metrics = self._metrics["train"]
-        return {k: len(metrics[k]) if k in metrics else 0 for k in _AVERAGED}, self._total_train_tokens
+        return {k: len(metrics[k]) if k in metrics else 0 for k in (*_AVERAGED, "aux_loss")}, self._total_train_tokens
 
     def odc_after_bundle(self, snapshot, bundle) -> None:
         lengths, tokens_before = snapshot
@@ -73,13 +74,13 @@ class _SFTPart:
         values = []
         for key in _AVERAGED:
             new = metrics[key][lengths[key] :] if key in metrics else []
-            if key in _TOKEN_WEIGHTED and new:
+            if new:
                 if len(new) != len(label_tokens):
                     raise RuntimeError(f"odc_hf: TRL recorded {len(new)} {key} values for {len(label_tokens)} "
                                        f"microbatches; expected one per microbatch (trl {TESTED_TRL})")  # fmt: skip
                 values += [sum(v * n for v, n in zip(new, label_tokens)), sum(label_tokens)]
             else:
-                values += [float(sum(new)), float(len(new))]
+                values += [0.0, 0.0]
         values.append(float(self._total_train_tokens - tokens_before))
         vector = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
@@ -88,10 +89,13 @@ class _SFTPart:
         for i, key in enumerate(_AVERAGED):
             if key in metrics:
                 del metrics[key][lengths[key] :]
-            if vector[2 * i + 1] > 0:  # over every label token (or microbatch) of every rank
+            if vector[2 * i + 1] > 0:  # over every label token of every rank
                 metrics[key].append(vector[2 * i] / vector[2 * i + 1])
         self._total_train_tokens = tokens_before + int(vector[-1])
         metrics["num_tokens"] = [self._total_train_tokens]
+        if self.aux_loss_enabled:  # MoE: TRL's one value per microbatch, every rank's (a rank may have none)
+            local = metrics["aux_loss"][lengths["aux_loss"] :]
+            metrics["aux_loss"][lengths["aux_loss"] :] = every_rank_values(self.accelerator, local)
 
 
 def check_sft_columns(dataset, args, formatting_func, name: str = "train_dataset") -> None:

@@ -47,6 +47,7 @@ from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleL
 from odc_hf.integrations.checkpoint import save_full_model
 from odc_hf.integrations.failures import failure_guard
 from odc_hf.integrations.launch_config import check_fsdp_config
+from odc_hf.integrations.model_family import weigh_router_loss
 from odc_hf.integrations.planning import cost_model
 from odc_hf.integrations.plugin import as_odc_plugin, refuse_other_engines
 from odc_hf.integrations.stats import MicrobatchClock, RunStats, document_lengths
@@ -282,6 +283,7 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=device)
         snapshot = self.odc_before_bundle()
+        router_coef = weigh_router_loss(self, len(inputs.microbatches))  # MoE: TRL's weight on these microbatches
         real_accelerator = self.accelerator
         self.accelerator = LocalGathers(real_accelerator)
         guard = self.odc.failure_guard() if self.odc is not None else contextlib.nullcontext()
@@ -301,6 +303,8 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
                         clock.lap(document_lengths(microbatch))
         finally:
             self.accelerator = real_accelerator
+            if router_coef is not None:
+                self.router_aux_loss_coef = router_coef
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         busy = time.perf_counter() - start

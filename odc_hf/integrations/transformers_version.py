@@ -16,6 +16,7 @@ two, listed in :data:`SUBMODULE_NAMES` all the same.
 from __future__ import annotations
 
 import transformers
+from transformers import GradientCheckpointingLayer
 from transformers.integrations.liger import apply_liger_kernel
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -49,7 +50,7 @@ SUBMODULE_NAMES = {
 
 PRIVATE_ATTRIBUTES = {
     "PretrainedConfig": ("_attn_implementation",),  # the model's attention implementation (read; set publicly)
-    "PreTrainedModel": ("_supports_flash_attn",),  # whether a model can run flash attention
+    "PreTrainedModel": ("_supports_flash_attn", "_supports_sdpa"),  # whether a model can run flash attention / SDPA
     "GradientCheckpointingLayer": ("_gradient_checkpointing_func",),  # whether checkpointing was enabled
 }
 """Private attributes odc_hf reads, by the transformers class that holds them (``_gradient_checkpointing_func``
@@ -64,6 +65,12 @@ def attn_implementation(model) -> str | None:
 def supports_flash_attention(model) -> bool:
     """Whether a transformers model declares flash-attention support (``_supports_flash_attn``)."""
     return bool(getattr(model, "_supports_flash_attn", False))
+
+
+def supports_sdpa(model) -> bool:
+    """Whether transformers lets a model run an implementation named ``*sdpa*`` (``_supports_sdpa``; Gemma 2 and
+    GPT-OSS do not: SDPA has no soft-capping or sinks)."""
+    return bool(getattr(model, "_supports_sdpa", True))
 
 
 def checkpointing_installed(layer) -> bool:
@@ -99,4 +106,6 @@ __all__ = [
     "is_flash_attn_4_available",
     "rotate_checkpoints",
     "supports_flash_attention",
+    "supports_sdpa",
+    "GradientCheckpointingLayer",
 ]

@@ -13,13 +13,15 @@ from odc_hf.version import TESTED, warn_if_untested
 # parity tests (tests/test_*parity.py, tests/test_model_zoo.py) pass on it.
 TESTED_TRL = TESTED["trl"]
 
-SFT_PRIVATE_ATTRIBUTES = ("_metrics", "_total_train_tokens")
-"""What ``ODCSFTTrainer`` reads of TRL's ``SFTTrainer``: its metrics, re-aggregated once per step."""
+SFT_PRIVATE_ATTRIBUTES = ("_metrics", "_total_train_tokens", "aux_loss_enabled", "router_aux_loss_coef")
+"""What ``ODCSFTTrainer`` reads of TRL's ``SFTTrainer``: its metrics, re-aggregated once per step, and its MoE router
+loss switch and coefficient (weighed per step: ``odc_hf.integrations.model_family.weigh_router_loss``)."""
 GRPO_PRIVATE_METHODS = ("_generate_and_score_completions", "_get_train_sampler", "compute_loss", "_compute_loss",
                         "_get_per_token_logps_and_entropies")
 """TRL ``GRPOTrainer`` methods ``ODCGRPOTrainer`` calls or overrides: generation and scoring, the sampler (one
 dataloader batch per optimizer step), the loss and the metrics' recomputation per slice."""
-GRPO_PRIVATE_ATTRIBUTES = ("_metrics", "loss_type", "beta", "ref_model", "max_completion_length", "num_iterations")
+GRPO_PRIVATE_ATTRIBUTES = ("_metrics", "loss_type", "beta", "ref_model", "max_completion_length", "num_iterations",
+                           "aux_loss_enabled", "router_aux_loss_coef")
 """TRL ``GRPOTrainer`` attributes ``ODCGRPOTrainer`` reads (``_metrics``: aggregated once per step)."""
 
 

@@ -19,10 +19,16 @@ document 1.38 s on every path; 2 documents 1.13 s per-document SDPA, 1.35 s varl
     import odc_hf.attention  # registers "sdpa_varlen"
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa_varlen")
 
-It is meant for training on packed rows. Anything else (a padding mask, a KV cache, batch > 1) falls back to
-plain ``"sdpa"``, with transformers' own ``sdpa`` mask when the inputs carry a padding mask (:func:`padding_mask`,
-registered with ``AttentionMaskInterface`` under the same name): padded batched generation and TRL's padded GRPO
-rows stay correct. One host sync per forward reads the boundaries (cached across layers).
+Every argument the model's attention layer hands an attention implementation is applied per document: ``scaling``,
+``dropout``, sliding windows (per layer, transformers' convention), Gemma 2's soft-capping and GPT-OSS's sinks (the
+last two through the family's own eager attention); anything else is refused by name
+(:mod:`odc_hf.attention.variants`).
+
+It is meant for training on packed rows; rows without a mask (a batch of whole documents) are one document each.
+Padded rows and cached decoding fall back to SDPA with transformers' own ``sdpa`` mask (:func:`padding_mask`,
+registered with ``AttentionMaskInterface`` under the same name; the family's eager attention with soft-capping or
+sinks): padded batched generation and TRL's padded GRPO rows stay correct. One host sync per forward reads the
+boundaries (cached across layers).
 
 **Shape buckets.** On Hopper, torch's SDPA runs cuDNN's attention, which builds (and may compile) an execution
 plan for every new shape and stride it meets, ~0.1 s each for forward and again for backward. Variable-length
@@ -55,11 +61,15 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["DEFAULT_SHAPE_BUCKET", "VARLEN_ATTENTION", "VarlenAttention", "attention_of", "document_bounds", "padding_mask",
+from odc_hf.attention.variants import Variant, document_attention, masked_attention, take_variant
+
+__all__ = ["DEFAULT_SHAPE_BUCKET", "EAGER_VARLEN_ATTENTION", "VARLEN_ATTENTION", "VarlenAttention", "attention_of", "document_bounds", "padding_mask",
            "register", "sdpa_varlen_attention_forward", "warm_up"]  # fmt: skip
 
 VARLEN_ATTENTION = "sdpa_varlen"
 """The ``attn_implementation`` name this module registers."""
+EAGER_VARLEN_ATTENTION = "eager_varlen"
+"""The name of the setting that runs the family's own eager attention per document (``VarlenAttention(eager=True)``)."""
 
 CALLS: Counter = Counter()
 """How often each path ran: ``documents`` (per-document SDPA calls), ``single`` (one-document rows), ``fallback``;
@@ -76,6 +86,7 @@ except ImportError:  # pragma: no cover - older torch
     _varlen_attn, _VARLEN_PARAMS = None, frozenset()
 
 _cache: tuple[weakref.ref, list[tuple[int, int]]] | None = None
+PLAIN = Variant()
 
 
 def document_bounds(cu_seq_lens: torch.Tensor | None, length: int) -> list[tuple[int, int]]:
@@ -110,10 +121,14 @@ class VarlenAttention:
         shape_bucket: pad each document's attention inputs to a multiple of this many tokens (0: exact shapes).
         varlen_kernel: on CUDA, run torch's flash varlen kernel once per layer instead of per-document SDPA
             (slower on an H200, see the module docstring).
+        eager: run the family's own eager attention per document instead of SDPA, for families transformers does
+            not let run SDPA (``_supports_sdpa = False``: Gemma 2, GPT-OSS); named ``"eager_varlen"`` (transformers
+            checks SDPA support for every implementation whose name contains ``"sdpa"``).
     """
 
     shape_bucket: int = DEFAULT_SHAPE_BUCKET
     varlen_kernel: bool = False
+    eager: bool = False
 
     def __post_init__(self):
         if int(self.shape_bucket) != self.shape_bucket or self.shape_bucket < 0:
@@ -121,7 +136,10 @@ class VarlenAttention:
 
     @property
     def name(self) -> str:
-        """The ``attn_implementation`` name :func:`register` gives it: ``"sdpa_varlen"`` for the default setting."""
+        """The ``attn_implementation`` name :func:`register` gives it: ``"sdpa_varlen"`` for the default setting,
+        ``"eager_varlen"`` for the eager one (shape buckets and the varlen kernel are SDPA's: not used there)."""
+        if self.eager:
+            return EAGER_VARLEN_ATTENTION
         if self == VarlenAttention():
             return VARLEN_ATTENTION
         return f"{VARLEN_ATTENTION}_bucket{self.shape_bucket}" + ("_kernel" if self.varlen_kernel else "")
@@ -129,7 +147,7 @@ class VarlenAttention:
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         return sdpa_varlen_attention_forward(module, query, key, value, attention_mask,
                                              shape_bucket=self.shape_bucket, varlen_kernel=self.varlen_kernel,
-                                             **kwargs)  # fmt: skip
+                                             eager=self.eager, **kwargs)  # fmt: skip
 
 
 def sdpa_varlen_attention_forward(
@@ -141,33 +159,43 @@ def sdpa_varlen_attention_forward(
     *,
     shape_bucket: int = DEFAULT_SHAPE_BUCKET,
     varlen_kernel: bool = False,
+    eager: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention function for ``AttentionInterface``: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out.
 
-    ``shape_bucket`` and ``varlen_kernel`` as in :class:`VarlenAttention` (which passes its own)."""
-    cu_seq_lens = kwargs.pop("cu_seq_lens_q", None)
-    for key_name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"):
-        kwargs.pop(key_name, None)
+    ``shape_bucket``, ``varlen_kernel`` and ``eager`` as in :class:`VarlenAttention` (which passes its own). The family's
+    ``sliding_window``, ``softcap`` and ``s_aux`` are applied per document; any other argument is refused
+    (:mod:`odc_hf.attention.variants`)."""
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    variant = take_variant(module, kwargs, family_eager=eager)
     length = query.shape[2]
-    if attention_mask is not None or query.shape[0] != 1 or key.shape[2] != length or cu_seq_lens is None:
+    if attention_mask is not None or key.shape[2] != length:  # padded rows, a cached decode step
         CALLS["fallback"] += 1
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    bounds = document_bounds(cu_seq_lens, length)
+        return masked_attention(module, query, key, value, attention_mask, variant, kwargs)
+    # a packed row (its documents at cu_seq_lens_q), or rows that are each one document
+    bounds = document_bounds(cu_seq_lens if query.shape[0] == 1 else None, length)
     if len(bounds) == 1:
         CALLS["single"] += 1
-        return _document(module, query, key, value, 0, length, kwargs, shape_bucket), None
-    if varlen_kernel and query.is_cuda and _varlen_attn is not None and kwargs.get("dropout", 0.0) == 0.0:
+        return _document(module, query, key, value, 0, length, kwargs, shape_bucket, variant), None
+    if (varlen_kernel and variant.plain and query.is_cuda and _varlen_attn is not None
+            and kwargs.get("dropout", 0.0) == 0.0):  # fmt: skip
         CALLS["varlen"] += 1
         return _flash_varlen(module, query, key, value, cu_seq_lens, bounds, kwargs.get("scaling")), None
     CALLS["documents"] += len(bounds)
-    outputs = [_document(module, query, key, value, a, b, kwargs, shape_bucket) for a, b in bounds]
+    outputs = [_document(module, query, key, value, a, b, kwargs, shape_bucket, variant) for a, b in bounds]
     return torch.cat(outputs, dim=1), None
 
 
-def _document(module, query, key, value, start: int, end: int, kwargs, shape_bucket: int) -> torch.Tensor:
-    """SDPA of tokens ``start:end`` alone (causal ones padded to a multiple of ``shape_bucket``): (1, n, H, D)."""
+def _document(module, query, key, value, start: int, end: int, kwargs, shape_bucket: int,
+              variant: Variant = PLAIN) -> torch.Tensor:  # fmt: skip
+    """Attention of tokens ``start:end`` alone: (batch, n, H, D). Causal SDPA padded to a multiple of
+    ``shape_bucket``, or, for a window shorter than the document, soft-capping or sinks,
+    :func:`~odc_hf.attention.variants.document_attention`."""
     n = end - start
+    if variant.eager or (variant.window is not None and variant.window < n):
+        q, k, v = (t[:, :, start:end] for t in (query, key, value))
+        return document_attention(module, q, k, v, variant, kwargs)
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     bucket = shape_bucket if causal else 0  # zero keys after the tokens are invisible only to causal queries
@@ -224,7 +252,7 @@ def warm_up(
     number generators are not touched.
     """
     settings = attention_of(model)
-    bucket = settings.shape_bucket if settings is not None else 0
+    bucket = settings.shape_bucket if settings is not None and not settings.eager else 0
     module = next((m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "head_dim")), None)
     param = next(model.parameters(), None)
     device = torch.device(device) if device is not None else (param.device if param is not None else None)
@@ -306,3 +334,4 @@ def register(attention: VarlenAttention | None = None) -> str:
 
 
 register()
+register(VarlenAttention(eager=True))

@@ -1,0 +1,174 @@
+"""The model zoo (tests/zoo_runs.py): every family trains exactly as TRL trains it, or is refused by name.
+
+For each family, ``ODCSFTTrainer`` (packed rows, odc_hf's attention: ``sdpa_varlen``, or ``eager_varlen`` where
+transformers runs no SDPA) on 1 and on 2 CPU ranks (uneven microbatch counts, a rank with none in the first step)
+against TRL's own ``SFTTrainer`` in one process (padded rows, the model's own attention and masks, its router loss),
+on the same microbatches: per-step loss, gradient norm and, for Mixture-of-Experts families, the logged ``aux_loss``.
+The families with more than plain attention also run ``ODCGRPOTrainer``'s packed layout against ``GRPOTrainer``.
+
+Tolerance (fp32): the runs add the same per-token terms in other orders (packed vs padded rows, per-document vs
+masked attention, two ranks' partial sums): measured <= 3.5e-7 relative for SFT and GRPO, <= 1.4e-6 for the GRPO
+losses of MoE families (a loss of ~0.02 that is the difference of a ~0.1 router term and the policy term); the bound
+is 1e-5. Negative controls: each variant switched off (window wider than every document, no soft-capping, sinks at
+-1e4, router coefficient 0) moves TRL's own run by more than 100x that bound, so an ODC run that dropped the variant
+would fail here; the measured movements are printed with ``-rP``.
+
+``python tests/test_model_zoo.py`` rewrites the table in docs/models.md from a run of these checks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import zoo_runs
+from zoo_runs import FAMILIES, largest_difference
+
+from odc_hf.testing import run_ranks
+
+RTOL = 1e-5
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = list(FAMILIES)
+CONTROLS = [(name, variant) for name, family in FAMILIES.items() for variant in family.variants]
+GRPO_NAMES = [name for name, family in FAMILIES.items() if family.grpo]
+
+
+@pytest.fixture(scope="module")
+def cpu_env():
+    before = os.environ.get("ACCELERATE_USE_CPU")
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    yield
+    if before is None:
+        os.environ.pop("ACCELERATE_USE_CPU", None)
+    else:
+        os.environ["ACCELERATE_USE_CPU"] = before
+
+
+@pytest.fixture(scope="module")
+def trl(tmp_path_factory, cpu_env) -> dict[str, list[dict]]:
+    out = tmp_path_factory.mktemp("zoo_trl")
+    return {name: zoo_runs.trl_run(name, out / name) for name in NAMES}
+
+
+@pytest.fixture(scope="module")
+def odc(tmp_path_factory, cpu_env) -> dict[int, dict[str, dict]]:
+    out = tmp_path_factory.mktemp("zoo_odc")
+    one = zoo_runs.odc_run(NAMES, str(out / "w1"), 1)
+    two = run_ranks(zoo_runs.odc_rank, 2, NAMES, str(out / "w2"), env={"ACCELERATE_USE_CPU": "true"}, timeout_s=900)
+    assert two[0] == two[1] or all(two[0][n]["history"] == two[1][n]["history"] for n in NAMES)
+    return {1: one, 2: two[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", NAMES)
+def test_odc_sft_trains_each_family_as_trl_does(name, world, trl, odc):
+    run = odc[world][name]
+    assert run["microbatches"] == zoo_runs.SCHEDULE[world], run["microbatches"]
+    if "router_aux" in FAMILIES[name].variants:
+        assert all("aux_loss" in h for h in run["history"] + trl[name])
+    implementation = run["attention"]["implementation"]
+    assert implementation in ("sdpa_varlen", "eager_varlen"), run["attention"]
+    # one process reports torch's fp32 gradient norm, as TRL does; two ranks odc_hf's float64 one (zoo_runs.Fp64GradNorm)
+    difference = largest_difference(run["history"], trl[name], renamed={"grad_norm": "grad_norm_fp64"} if world > 1 else None)
+    print(f"{name} world {world} ({implementation}): {difference:.1e}")
+    assert difference <= RTOL, (run["history"], trl[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,variant", CONTROLS)
+def test_each_variant_switched_off_changes_what_trl_trains(name, variant, trl, tmp_path, cpu_env):
+    off = zoo_runs.trl_run(name, tmp_path / "off", off=variant)
+    moved = largest_difference(off, trl[name], keys=("loss", "grad_norm"))
+    print(f"{name} without {variant}: {moved:.1e}")
+    assert moved > 100 * RTOL, (off, trl[name])
+
+
+@pytest.fixture(scope="module")
+def grpo(tmp_path_factory, cpu_env) -> dict[str, tuple[dict, dict]]:
+    out = tmp_path_factory.mktemp("zoo_grpo")
+    return {name: (zoo_runs.grpo_run(name, out / name / "odc", "odc"), zoo_runs.grpo_run(name, out / name / "trl", "trl"))
+            for name in GRPO_NAMES}  # fmt: skip
+
+
+def grpo_difference(ours: dict, reference: dict) -> float:
+    return largest_difference(ours["history"], reference["history"], ("loss", "grad_norm", "aux_loss", "entropy"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GRPO_NAMES)
+def test_odc_grpo_packed_layout_trains_each_family_as_trl_does(name, grpo):
+    ours, reference = grpo[name]
+    assert ours["packed"] and ours["microbatches"] == [[1]] * zoo_runs.GRPO_STEPS
+    difference = grpo_difference(ours, reference)
+    print(f"{name} GRPO ({ours['attention']['implementation']}): {difference:.1e}")
+    assert difference <= RTOL, (ours["history"], reference["history"])
+
+
+@pytest.mark.parametrize("name", list(zoo_runs.REFUSED))
+def test_families_packed_rows_cannot_train_exactly_are_refused_by_name(name):
+    from odc_hf.integrations.model_family import check_packable
+
+    build, words = zoo_runs.REFUSED[name]
+    model = build()
+    with pytest.raises(ValueError, match=words) as refused:
+        check_packable(model)
+    assert model.config.get_text_config().model_type in str(refused.value) or model.config.model_type in str(refused.value)
+
+
+def test_a_refused_family_stops_the_trainer_before_training(tmp_path, cpu_env):
+    from datasets import Dataset
+
+    from odc_hf import ODCSFTTrainer
+    from odc_hf.testing.data import default_tokenizer
+
+    model = zoo_runs.REFUSED["Qwen3-Next (qwen3_next), linear-attention layers"][0]()
+    tokenizer = default_tokenizer()
+    with pytest.raises(ValueError, match=r"qwen3_next has layers of type \['linear_attention'\]"):
+        ODCSFTTrainer(model=model, args=zoo_runs.sft_args(tmp_path), processing_class=tokenizer,
+                      train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 8}))  # fmt: skip
+
+
+def rendered(trl, odc, grpo) -> list[str]:
+    sft = {name: {w: largest_difference(odc[w][name]["history"], trl[name],
+                                       renamed={"grad_norm": "grad_norm_fp64"} if w > 1 else None) for w in (1, 2)}
+           for name in NAMES}  # fmt: skip
+    attention = {name: odc[1][name]["attention"]["implementation"] for name in NAMES}
+    refusals = {}
+    for name, (build, _) in zoo_runs.REFUSED.items():
+        from odc_hf.integrations.model_family import refusal
+
+        refusals[name] = refusal(build())
+    return zoo_runs.table(sft, attention, {n: grpo_difference(*grpo[n]) for n in GRPO_NAMES}, refusals, RTOL)
+
+
+DOCS = ROOT / "docs" / "models.md"
+
+
+def documented_table(text: str) -> tuple[int, int]:
+    lines = text.splitlines()
+    start = lines.index(zoo_runs.TABLE_HEADER)
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return start, end
+
+
+@pytest.mark.slow
+def test_docs_models_table_is_this_runs(trl, odc, grpo):
+    """docs/models.md's table is what this run measured (rewrite it with ``python tests/test_model_zoo.py``)."""
+    lines = DOCS.read_text().splitlines()
+    start, end = documented_table(DOCS.read_text())
+    table = rendered(trl, odc, grpo)
+    if os.environ.get("ODC_ZOO_WRITE_TABLE"):
+        lines[start:end] = table
+        DOCS.write_text("\n".join(lines) + "\n")
+        return
+    assert lines[start:end] == table
+
+
+if __name__ == "__main__":  # run the zoo and rewrite docs/models.md's table from it
+    os.environ["ODC_ZOO_WRITE_TABLE"] = "1"
+    sys.exit(pytest.main([__file__, "-q", "-p", "no:randomly", "-k", "docs_models_table"]))
