@@ -216,21 +216,29 @@ def _replacement_ranks(rank, world_size):
     pretend = ["nccl"]  # the group the arguments started (CPU torch has no NCCL): gloo stands in, called nccl once
     real = shared_gpu._group_backend
     shared_gpu._group_backend = lambda: pretend.pop() if pretend else real()
-    shared_gpu.settle_process_group(timeout_s=60)
+    available, count = torch.cuda.is_available, torch.cuda.device_count
+    torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: 1)  # one GPU for the ranks to share
+    try:
+        shared_gpu.settle_process_group(timeout_s=60)
+    finally:
+        torch.cuda.is_available, torch.cuda.device_count = available, count
     replaced = dist.group.WORLD is not old_group
+    local_index = PartialState().local_process_index  # rank 1 read LOCAL_RANK=1: cuda:1 does not exist
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
     rows = [torch.empty(2, 3) for _ in range(world_size)]
     dist.all_gather(rows, torch.full((2, 3), float(rank)))
-    return replaced, str(dist.get_backend()), total.item(), [r[0, 0].item() for r in rows], believed_backend()
+    gathered = [r[0, 0].item() for r in rows]
+    return replaced, str(dist.get_backend()), total.item(), gathered, believed_backend(), local_index
 
 
 def test_an_unused_nccl_group_is_replaced_by_gloo_through_the_launchers_store():
     # run_ranks' parent holds the rendezvous store and every rank is its client: torchrun's agent store, as
     # `accelerate launch` and notebook_launcher give it (TORCHELASTIC_USE_AGENT_STORE=True)
     results = run_ranks(_replacement_ranks, 2, env={"TORCHELASTIC_USE_AGENT_STORE": "True"})
-    for replaced, backend, total, gathered, believed in results:
+    for replaced, backend, total, gathered, believed, local_index in results:
         assert replaced and backend == "gloo" and believed == "gloo"
+        assert local_index == 0  # both ranks' barriers on cuda:0, the GPU they share
         assert total == 3.0 and gathered == [0.0, 1.0]  # the new group connects every rank, in rank order
 
 

@@ -13,8 +13,9 @@ gloo group ("ProcessGroupGloo::allgather: invalid tensor size at index 0 (expect
 odc_hf starts a gloo group before accelerate's state exists where ranks share a GPU (``python -m odc_hf.run``,
 ``ODCAccelerator``; :mod:`odc_hf.integrations.shared_gpu`), and transformers' and TRL's own training arguments then
 create that state with the CUDA default. :func:`align_backend` puts the group's real backend into accelerate's state;
-every accelerator odc_hf uses passes through it (``adopt``). ``PartialState.backend`` is not documented as settable,
-so this module is the one place that writes it; ``tests/test_shared_gpu_backend.py`` checks on
+every accelerator odc_hf uses passes through it (``adopt``). Where the training arguments created the state before
+odc_hf could set ``LOCAL_RANK`` to the rank's GPU, :func:`align_local_process_index` does the same for accelerate's
+local process index. Neither field is documented as settable, so this module is the one place that writes them; ``tests/test_shared_gpu_backend.py`` checks on
 :data:`TESTED_ACCELERATE` that accelerate's gathers then work on gloo for 2-D tensors of every dtype gloo carries.
 """
 
@@ -42,8 +43,8 @@ def _check_version() -> None:
     if minor not in TESTED_ACCELERATE and not _WARNED:
         _WARNED.append(True)
         logger.warning(
-            "odc_hf: accelerate %s: the process group is gloo but accelerate named another backend; odc_hf set it to "
-            "gloo, as tested on accelerate %s. If a gather fails on 2-D tensors, report it with this line",
+            "odc_hf: accelerate %s: odc_hf corrects accelerate's state to the process group it runs (backend, local "
+            "process index), as tested on accelerate %s. If a gather or barrier fails, report it with this line",
             accelerate.__version__, " and ".join(TESTED_ACCELERATE),
         )  # fmt: skip
 
@@ -73,4 +74,21 @@ def align_backend() -> bool:
     return True
 
 
-__all__ = ["TESTED_ACCELERATE", "align_backend", "believed_backend"]
+def align_local_process_index(index: int | None) -> bool:
+    """Make accelerate's ``local_process_index`` ``index`` (the GPU a rank computes on where ranks share one: see
+    :func:`odc_hf.integrations.shared_gpu.localize_rank`), when accelerate read ``LOCAL_RANK`` before odc_hf set it.
+    accelerate passes it as ``torch.distributed.barrier(device_ids=[local_process_index])``, which a gloo group turns
+    into a tensor on that GPU ("invalid device ordinal" for ``cuda:1`` on a one-GPU machine). Returns whether it
+    changed anything; a no-op without accelerate state."""
+    if index is None or not PartialState._shared_state:
+        return False
+    if PartialState._shared_state.get("local_process_index") in (index, None):
+        return False
+    _check_version()
+    PartialState().local_process_index = index
+    if is_initialized():
+        AcceleratorState().local_process_index = index
+    return True
+
+
+__all__ = ["TESTED_ACCELERATE", "align_backend", "align_local_process_index", "believed_backend"]

@@ -139,8 +139,9 @@ def settle_process_group(environ=None, timeout_s: float = 1800.0) -> None:
     """Before the first collective of an ODC trainer or accelerator: in a shared-GPU launch, the default process group
     is gloo (started here if none exists; an NCCL group that the training arguments started is replaced, see
     :func:`replace_default_group`) and ``LOCAL_RANK`` names this rank's GPU; in every launch, accelerate's state names
-    the group's real backend (:func:`odc_hf.integrations.accelerate_state.align_backend`)."""
-    from odc_hf.integrations.accelerate_state import align_backend
+    the group's real backend (:func:`odc_hf.integrations.accelerate_state.align_backend`) and, in the mode, its
+    local process index this rank's GPU."""
+    from odc_hf.integrations.accelerate_state import align_backend, align_local_process_index
 
     environ = os.environ if environ is None else environ
     if active(environ):
@@ -151,6 +152,7 @@ def settle_process_group(environ=None, timeout_s: float = 1800.0) -> None:
             localize_rank(environ)
             replace_default_group(environ, timeout_s=timeout_s)
         check_backend(environ)  # anything but gloo now is refused, saying what to set
+        align_local_process_index(_int_env(environ, "LOCAL_RANK"))  # the arguments may have read it before
     align_backend()
 
 
