@@ -180,8 +180,16 @@ class IpcLedger:
         self.job, self.directory, self.pid = job, Path(directory), os.getpid()
         sweep_stale(self.directory)
         self.path = self.directory / f"{LEDGER_PREFIX}{job}-{self.pid}"
-        self._fd: int | None = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_SH)  # held until this process ends (or close())
+        staging = self.directory / f".creating-{self.path.name}"  # no sweep sees it before its lock is held
+        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_APPEND | os.O_CLOEXEC
+        self._fd: int | None = os.open(staging, flags, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)  # held until this process ends (or the ledger is closed)
+            os.rename(staging, self.path)
+        except BaseException:
+            os.close(self._fd)
+            shm_files.unlink_quietly(staging)
+            raise
         self.own: set[str] = set()
         self.mapped: set[str] = set()
         self.is_released = False
