@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,6 +23,7 @@ import textwrap
 import pytest
 import torch
 from one_process_runs import ROOT, gpu_launch
+from recipe_checks import load_weights, logged, training_losses
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,10 +76,14 @@ def test_trl_grpo_recipe_with_vllm_colocate_as_documented_on_ranks_sharing_the_g
     (tmp_path / "log.txt").write_text(output)
     assert proc.returncode == 0 and GATHER_FAILURE not in output, output[-6000:]
     assert "ranks share" in output, output[-3000:]  # the shared-GPU mode said it is on
-    logged = re.findall(r"\{'loss': .*?\}", output)
-    print(f"{len(logged)} steps logged; last: {logged[-1][:300] if logged else None}")
-    assert len(logged) == 3 and all("'odc/bubble_rate'" in line and "'reward'" in line for line in logged), logged
-    assert (tmp_path / "out" / "model.safetensors").is_file()
+    losses, rewards = training_losses(output, 3), logged(output, "reward")  # rewards: gathered (n, functions)
+    print(f"losses {losses}, rewards {rewards}, bubble rates {logged(output, 'odc/bubble_rate')}")
+    assert len(rewards) == 3 and all(math.isfinite(r) for r in rewards), rewards
+    assert len(logged(output, "odc/bubble_rate")) == 3  # the ODC trainer ran (TRL's own logs no odc/* keys)
+    # the recipe's final save: every tensor, finite (think_format_reward gives a random model's completions all the
+    # same reward, so the advantages and the update may be zero: the weights need not have moved)
+    saved, initial = load_weights(tmp_path / "out"), load_weights(tmp_path / "demo" / "model")
+    assert saved.keys() == initial.keys() and all(torch.isfinite(v).all() for v in saved.values())
 
 
 NOTEBOOK_CELL = textwrap.dedent(
