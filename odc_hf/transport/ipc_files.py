@@ -234,7 +234,8 @@ class IpcLedger:
         loader worker inherits the ledger, not the files)."""
         if self._fd is None or os.getpid() != self.pid:
             return []
-        removed = _remove(self.directory, [n for n in self.own if n.startswith("cuda.shm.")])
+        drivers = {n for n in self.own if n.startswith("cuda.shm.")} | set(driver_files(self.pid, self.directory))
+        removed = _remove(self.directory, drivers)
         for peer in self._dead_peers():
             own, mapped, released = _read(peer)
             if not released:  # it died holding its references: each file it created or mapped stays above zero

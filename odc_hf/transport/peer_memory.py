@@ -165,7 +165,10 @@ class IpcBuffers:
     def __del__(self):
         ledger = getattr(self, "ledger", None)
         if ledger is not None:  # the mappings go with this object: peers must not count on them any more
-            ledger.released()
+            try:
+                ledger.released()
+            except Exception:  # noqa: BLE001 - at interpreter shutdown the modules it needs may be gone
+                pass
 
     def allocate(self, nbytes: int) -> list[torch.Tensor]:
         buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
@@ -179,6 +182,7 @@ class IpcBuffers:
         views = [buffer if peer == self.rank else fn(*fn_args) for peer, (fn, fn_args) in enumerate(handles)]
         if self.ledger is not None:  # after mapping, never before: a listed file must really be held
             self.ledger.record_mapped(ipc_files.counter_file(fn, fn_args) for fn, fn_args in handles)
+            self.ledger.record_driver_files()  # should opening the peers' events make one too
         for peer, view in enumerate(views):
             if view.numel() != nbytes or view.device.type != "cuda":
                 raise ODCError(
