@@ -204,7 +204,7 @@ def test_every_way_in_ends_on_gloo_that_accelerate_knows_and_its_gathers_work(en
 
 
 # -- an NCCL group that the training arguments started ------------------------------------------------------------------
-def _replacement_ranks(rank, world_size):
+def _replacement_ranks(rank, world_size, started_nccl=True):
     import torch.distributed as dist
     from accelerate.state import PartialState
 
@@ -213,7 +213,7 @@ def _replacement_ranks(rank, world_size):
     _as_on_a_gpu_host_sharing_it()
     PartialState()  # accelerate's state, as the training arguments create it
     old_group = dist.group.WORLD
-    pretend = ["nccl"]  # the group the arguments started (CPU torch has no NCCL): gloo stands in, called nccl once
+    pretend = ["nccl"] if started_nccl else []  # the arguments' group (CPU torch has no NCCL): gloo, called nccl once
     real = shared_gpu._group_backend
     shared_gpu._group_backend = lambda: pretend.pop() if pretend else real()
     available, count = torch.cuda.is_available, torch.cuda.device_count
@@ -223,7 +223,7 @@ def _replacement_ranks(rank, world_size):
     finally:
         torch.cuda.is_available, torch.cuda.device_count = available, count
     replaced = dist.group.WORLD is not old_group
-    local_index = PartialState().local_process_index  # rank 1 read LOCAL_RANK=1: cuda:1 does not exist
+    local_index = (PartialState().local_process_index, os.environ["LOCAL_RANK"])  # rank 1 read 1: no cuda:1
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
     rows = [torch.empty(2, 3) for _ in range(world_size)]
@@ -238,8 +238,16 @@ def test_an_unused_nccl_group_is_replaced_by_gloo_through_the_launchers_store():
     results = run_ranks(_replacement_ranks, 2, env={"TORCHELASTIC_USE_AGENT_STORE": "True"})
     for replaced, backend, total, gathered, believed, local_index in results:
         assert replaced and backend == "gloo" and believed == "gloo"
-        assert local_index == 0  # both ranks' barriers on cuda:0, the GPU they share
         assert total == 3.0 and gathered == [0.0, 1.0]  # the new group connects every rank, in rank order
+        assert local_index == (0, "0")  # both ranks' barriers on cuda:0, the GPU they share
+
+
+def test_a_gloo_group_started_without_odc_hf_gets_the_local_index_of_the_shared_gpu():
+    # e.g. transformers' TrainingArguments(ddp_backend="gloo") in an own script: accelerate read LOCAL_RANK=1 and would
+    # ask for cuda:1 in its barriers; nothing is replaced
+    for replaced, backend, total, gathered, believed, local_index in run_ranks(_replacement_ranks, 2, False):
+        assert not replaced and backend == believed == "gloo" and total == 3.0 and gathered == [0.0, 1.0]
+        assert local_index == (0, "0")
 
 
 def test_an_nccl_group_is_refused_where_the_store_would_not_outlive_it(monkeypatch):

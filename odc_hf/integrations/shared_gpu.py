@@ -145,14 +145,14 @@ def settle_process_group(environ=None, timeout_s: float = 1800.0) -> None:
 
     environ = os.environ if environ is None else environ
     if active(environ):
+        announce(environ)
+        localize_rank(environ)  # idempotent; the arguments may have read LOCAL_RANK before (aligned below)
         if not (dist.is_available() and dist.is_initialized()):
             init_process_group(environ, timeout_s=timeout_s)  # no group yet: gloo now
         elif _group_backend() == "nccl" and _store_outlives_group(environ):
-            announce(environ)
-            localize_rank(environ)
             replace_default_group(environ, timeout_s=timeout_s)
         check_backend(environ)  # anything but gloo now is refused, saying what to set
-        align_local_process_index(_int_env(environ, "LOCAL_RANK"))  # the arguments may have read it before
+        align_local_process_index(_int_env(environ, "LOCAL_RANK"))
     align_backend()
 
 
