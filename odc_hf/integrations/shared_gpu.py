@@ -30,8 +30,8 @@ Automatic, not a switch: on such a launch nothing else can run (NCCL cannot star
   collective (:func:`replace_default_group`; under torchrun, ``accelerate launch`` and ``notebook_launcher``, whose
   rendezvous store outlives the group), and accelerate's state is told the group's backend
   (:mod:`odc_hf.integrations.accelerate_state`: its gathers of 2-D tensors depend on it). A collective your own
-  code runs before the trainer (``training_args.main_process_first()``) still meets NCCL there: set
-  ``ddp_backend="gloo"`` for that, or launch through ``python -m odc_hf.run``.
+  code runs before the trainer (``training_args.main_process_first()``) still meets NCCL there: build odc_hf's
+  arguments for that, or launch through ``python -m odc_hf.run`` (both set the ranks up before the arguments).
 """
 
 from __future__ import annotations
