@@ -151,6 +151,17 @@ def test_a_rank_killed_with_sigkill_is_cleaned_by_its_peer_at_its_end(shm):
     assert _listing(shm) == before
 
 
+def test_a_rank_killed_after_letting_go_of_its_mappings_leaves_its_peers_counter_file_to_torch(shm):
+    before = _listing(shm)
+    a, b = _job(shm, "ab12cd3b")
+    b.send("release", expect="done")  # b's transport closed: its references to a's counter file were given back
+    assert b.end("SIGKILL") == -signal.SIGKILL
+    a.send("release", expect="done")
+    assert a.end("exit") == 0
+    # b's own files go (its own reference never does); a's counter file is torch's to unlink, as after a clean end
+    assert _listing(shm) == before | {a.counter}
+
+
 def test_ranks_stopped_with_sigterm_clean_up_among_themselves(shm):
     before = _listing(shm)
     a, b, c = _job(shm, "ab12cd36", size=3)

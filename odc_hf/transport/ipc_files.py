@@ -25,9 +25,10 @@ liveness proof: pids are no proof across pid namespaces or after reuse). Who rem
 
 * **exit** (a clean end, an exception, Ctrl-C; :func:`exit_cleanup` at interpreter exit): the process removes its
   driver file and its ledger; torch removes the counter files as every process lets go.
-* **a process that died holding references** (its ledger unlocked, not ``released``): a peer, at its own exit,
-  removes the dead one's files and every counter file it had mapped (the peer's own included): the dead process's
-  references keep each count above zero, so no live process's torch ever goes to unlink them. Then its ledger.
+* **a process that died before its exit cleanup** (its ledger still there, unlocked): a peer, at its own exit,
+  removes the dead one's files (its own reference to its counter file never goes) and, unless it had ``released``
+  them, every counter file it had mapped (the peer's own included): the dead process's references keep each count
+  above zero, so no live process's torch ever goes to unlink them. Then its ledger.
 * **SIGTERM** (what torchrun and ``accelerate launch`` send the other ranks when one fails): the default action
   would kill without any cleanup; the handler installed here (only where none was) does the exit cleanup of a dying
   process, then dies of SIGTERM as before: it removes its driver file and its own counter file (its own reference
@@ -236,12 +237,14 @@ class IpcLedger:
             return []
         drivers = {n for n in self.own if n.startswith("cuda.shm.")} | set(driver_files(self.pid, self.directory))
         removed = _remove(self.directory, drivers)
-        for peer in self._dead_peers():
+        for peer in self._dead_peers():  # died before its exit cleanup: its own reference to its files never goes
             own, mapped, released = _read(peer)
-            if not released:  # it died holding its references: each file it created or mapped stays above zero
-                removed += _remove(self.directory, own | mapped | set(driver_files(_ledger_pid(peer), self.directory)))
-                shm_files.unlink_quietly(peer)
-                removed.append(peer.name)
+            gone = own | set(driver_files(_ledger_pid(peer), self.directory))
+            if not released:  # it held its mappings too: the counter files it mapped stay above zero as well
+                gone |= mapped
+            removed += _remove(self.directory, gone)
+            shm_files.unlink_quietly(peer)
+            removed.append(peer.name)
         if dying:
             removed += _remove(self.directory, self.own)  # our own references never go: nobody reaches zero
             if self._others_alive():
