@@ -71,7 +71,9 @@ PROBE = textwrap.dedent(
     event = torch.cuda.Event(interprocess=True); step("interprocess event")
     event.ipc_handle(); step("event handle")
     rebuild, args = reduce_tensor(torch.zeros(1024, device="cuda")); step("reduce_tensor")
-    print(json.dumps({"pid": os.getpid(), "steps": steps, "counter": ipc_files.counter_file(rebuild, args)}))
+    sizes = {n: os.stat("/dev/shm/" + n).st_size for names in steps.values() for n in names}
+    print(json.dumps({"pid": os.getpid(), "steps": steps, "sizes": sizes,
+                      "counter": ipc_files.counter_file(rebuild, args)}))
     """
 )
 
@@ -82,7 +84,7 @@ def test_cuda_ipc_makes_a_counter_file_and_a_driver_event_file():
     assert proc.returncode == 0, proc.stderr[-3000:]
     probe = json.loads(proc.stdout.strip().splitlines()[-1])
     pid, steps = probe["pid"], probe["steps"]
-    print(f"files by step: {steps}; counter file named by reduce_tensor: {probe['counter']}")
+    print(f"files by step: {steps}; sizes {probe['sizes']}; counter file named by reduce_tensor: {probe['counter']}")
     from odc_hf.transport import ipc_files
 
     made = [name for names in steps.values() for name in names]
