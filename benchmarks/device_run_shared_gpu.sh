@@ -5,6 +5,8 @@
 #   1: install the wheels; benchmarks/shared_gpu_probe.py; the transport and FSDP adapter GPU tests (~6 min)
 #   2: the trainer GPU tests of tests/test_gpu_shared.py and README command 1 (~7 min)
 #   3: benchmarks/shared_gpu_real_size.py (1.5B, LongAlign-like rows to 32k, world 1 twice, world 2 sharing) (~5 min)
+#   4: every way in with nothing set (notebook, own script; the vLLM recipe skips without vLLM: device_run_vllm.sh 4)
+#      and /dev/shm before and after each way a job ends (tests/test_gpu_shared_entry_points.py, test_gpu_shm_files.py)
 # Results go under $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -37,6 +39,9 @@ if [ "$stage" = 2 ]; then
 fi
 if [ "$stage" = t ]; then  # TESTS="<test files>" KEXPR="<-k expression>" LIMIT=<s> NAME=<log name>: part of the tier
   tier "gpu_tier_${NAME:-part}.log" "${LIMIT:-560}" $TESTS -k "${KEXPR:-}"
+fi
+if [ "$stage" = 4 ]; then
+  tier gpu_tier_entry_points_shm.log 560 tests/test_gpu_shared_entry_points.py tests/test_gpu_shm_files.py
 fi
 if [ "$stage" = 3 ]; then
   timeout 560 python3 benchmarks/shared_gpu_real_size.py --out "$OUT" > "$OUT/real_size.log" 2>&1

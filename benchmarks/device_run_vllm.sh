@@ -5,6 +5,7 @@
 #   2 (carry .vllm2, .vllmdeps, .whl): join, unpack into /tmp/site, install the dependencies and .whl (trl ...);
 #     the GPU tests (~5 min)
 #   3 (after 2, carry .whl): the benchmark, one variant per call: VARIANT=T or VARIANT=O (~5 min each)
+#   4 (after 2): TRL's GRPO recipe with vLLM as docs/trl_recipes.md writes it, ranks sharing the GPU (~3 min)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OUT=${OUT:-/tmp/out}
@@ -22,6 +23,11 @@ python3 -c "import vllm; print('vllm', vllm.__version__)" || exit 1
 if [ "$stage" = 2 ]; then
   timeout 480 python3 -m pytest -m gpu -rP -q -p no:cacheprovider tests/test_grpo_vllm_gpu.py > "$OUT/vllm_gpu_tests.log" 2>&1
   grep -E "passed|failed" "$OUT/vllm_gpu_tests.log" | tail -3
+fi
+if [ "$stage" = 4 ]; then
+  timeout 560 python3 -m pytest -m gpu -rP -q -p no:cacheprovider tests/test_gpu_shared_entry_points.py -k grpo_recipe \
+    > "$OUT/grpo_recipe_vllm_gpu.log" 2>&1
+  grep -E "passed|failed" "$OUT/grpo_recipe_vllm_gpu.log" | tail -3
 fi
 if [ "$stage" = 3 ]; then
   timeout 540 python3 benchmarks/grpo_vllm.py --variants "${VARIANT:-T}" --commit "$ODC_COMMIT" --out "$OUT" \

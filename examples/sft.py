@@ -54,7 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logging_steps", type=int, default=1)
     p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: never)")
-    p.add_argument("--resume_from_checkpoint", default=None)
+    p.add_argument("--resume_from_checkpoint", default=None,
+                   help="a checkpoint folder, or true / last: the newest complete checkpoint in --output_dir")  # fmt: skip
     p.add_argument("--report_to", default="none")
     p.add_argument("--num_processes", type=int, default=2,
                    help="processes of `python examples/sft.py` (ignored under accelerate launch): 2 run ODC on 2+ "

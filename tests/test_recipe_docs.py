@@ -59,3 +59,16 @@ def test_the_documented_offline_cpu_recipe_runs_and_shows_odc_metrics(tmp_path, 
     )  # one line per step (--logging_steps 1), ODC's metrics in it
     assert len(logged) == 3 and all("'odc/bubble_rate'" in line for line in logged), output[-3000:]
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_the_offline_helper_writes_conversational_prompts_for_grpo(tmp_path, monkeypatch):
+    import datasets
+
+    from odc_hf.offline import main
+
+    monkeypatch.chdir(tmp_path)
+    main(["demo", "--prompts", "--num-rows", "5"])
+    rows = datasets.load_dataset(str(tmp_path / "demo" / "data"), split="train")
+    assert rows.column_names == ["prompt"] and len(rows) == 5
+    # TRL's conversational prompt format: a list of turns ending with the user's, which the model is to answer
+    assert all([turn["role"] for turn in row["prompt"]] == ["user"] and row["prompt"][0]["content"] for row in rows)

@@ -160,3 +160,39 @@ def test_resuming_on_another_number_of_ranks_is_a_notice_users_see():
         len(warnings) == 1
         and "resuming out/checkpoint-4, written by 2 ranks (mesh [2]), on 3 ranks" in warnings[0]
     )
+
+
+def test_the_words_a_command_line_passes_for_resuming():
+    from odc_hf.integrations.resume import requested
+
+    for word in ("true", "True", "TRUE", "last", "Last", " last "):
+        assert requested(word) is True, word  # what resume_from_checkpoint=True means
+    for word in ("false", "False", ""):
+        assert requested(word) is None, word
+    assert requested(True) is True and requested(False) is None and requested(None) is None
+    assert requested("out/checkpoint-2") == "out/checkpoint-2" and requested("./last") == "./last"
+
+
+@pytest.mark.parametrize("word", ["true", "last"])
+def test_true_or_last_resumes_the_newest_complete_checkpoint(saved_run, tmp_path, monkeypatch, word):
+    # `--resume_from_checkpoint true` reaches train() as the string "true" (transformers' and TRL's parsers keep the
+    # field a string); it was taken for a folder named "true". checkpoint-3 is newer but unfinished (no marker):
+    # transformers' own get_last_checkpoint would take it; the newest COMPLETE one is checkpoint-2.
+    out, _ = saved_run
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    run = shutil.copytree(out, tmp_path / "run")
+    shutil.copytree(run / "checkpoint-2", run / "checkpoint-3")
+    (run / "checkpoint-3" / "odc_checkpoint.json").unlink()
+    trainer = _trainer(run, SAMPLES)
+    trainer.train(resume_from_checkpoint=word)
+    assert trainer._odc_resume_checkpoint == str(run / "checkpoint-2")
+    assert trainer.state.global_step == 2  # resumed at step 2 of 2: nothing left to train
+
+
+def test_true_without_any_checkpoint_says_so_before_anything_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    trainer = _trainer(tmp_path / "fresh", SAMPLES)
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint='true' resumes from the newest complete checkpoint "
+                                         r"in the output directory .*fresh.*, but it holds no checkpoint"):  # fmt: skip
+        trainer.train(resume_from_checkpoint="true")
+    assert trainer.state.global_step == 0

@@ -308,7 +308,7 @@ def adopt(
     accelerator.odc_plugin = plugin
     accelerator.odc: ODCHandle | None = None
     check_world_matches_launch(accelerator)
-    shared_gpu.check_backend()
+    shared_gpu.settle_process_group()  # gloo where ranks share a GPU; accelerate's state names the group's backend
     check_shared_gpu_state_dict(accelerator)
     if accelerator.num_processes < 2 and plugin.odc_config.enabled and accelerator.is_main_process:
         logger.warning("odc_hf: a single process has nothing to communicate; training runs without ODC")

@@ -11,7 +11,8 @@ file, then rename) by the main process after every rank has finished every part;
 (world size, mesh, samples per optimizer step) and its training data (size, and a fingerprint of the samples' token
 counts). A save first removes an older marker from its folder, and rotation
 (``save_total_limit``) runs only after the new marker is down, so the previous checkpoint stays until a newer one is
-complete. Resuming takes the last marked checkpoint (``True``) or refuses an unmarked one (a path).
+complete. Resuming takes the last marked checkpoint (``True``, or the words ``true`` / ``last`` of a command line:
+:func:`requested`) or refuses an unmarked one (a path).
 
 ``ODCMixin.train(resume_from_checkpoint=...)`` calls :func:`resolve` on every rank before the Trainer loads
 anything: the checks read files only, so every rank raises the same error before any collective (a missing part
@@ -120,13 +121,39 @@ def last_complete(output_dir: str) -> str | None:
     return complete[-1] if complete else None
 
 
-def resolve(trainer, resume_from_checkpoint):
+LATEST = ("true", "last")
+"""``resume_from_checkpoint`` words (any case) that mean what ``True`` means: the newest complete checkpoint in the
+output directory. Command lines can only pass strings (``--resume_from_checkpoint true``: transformers' and TRL's
+argument parsers keep the field a string), so the word stands for ``True``. A folder named so: ``./last``."""
+NO_RESUME = ("false", "")
+"""Words that mean ``False`` / ``None``: start from the beginning."""
+
+
+def requested(resume_from_checkpoint):
+    """``train()``'s ``resume_from_checkpoint`` as a user gives it (a bool, ``None``, a path, or a word of
+    :data:`LATEST` / :data:`NO_RESUME` from a command line) -> ``True`` (the newest complete checkpoint), a path, or
+    ``None``."""
+    if isinstance(resume_from_checkpoint, str):
+        word = resume_from_checkpoint.strip().lower()
+        if word in LATEST:
+            return True
+        return None if word in NO_RESUME else resume_from_checkpoint
+    return None if resume_from_checkpoint is False else resume_from_checkpoint
+
+
+def resolve(trainer, resume_from_checkpoint, given=None):
     """The checkpoint to resume from: ``True`` -> the last complete one in the output directory; a path -> itself,
-    if complete and holding every part the run needs. Raises, naming the part and the checkpoint, otherwise."""
+    if complete and holding every part the run needs. Raises, naming the part and the checkpoint, otherwise.
+    ``given``: what the user passed (for the message when there is no checkpoint at all)."""
     if resume_from_checkpoint is True:
         found = checkpoints(trainer.args.output_dir)
         if not found:
-            return True  # the Trainer's own "No valid checkpoint found in output directory"
+            raise ValueError(
+                f"resume_from_checkpoint={given if given is not None else True!r} resumes from the newest complete "
+                f"checkpoint in the output directory {trainer.args.output_dir!r}, but it holds no checkpoint "
+                f"({PREFIX_CHECKPOINT_DIR}-<step> folder). Start without resume_from_checkpoint, point output_dir at "
+                "the run to continue, or pass a checkpoint folder"
+            )
         chosen = last_complete(trainer.args.output_dir)
         skipped = found[found.index(chosen) + 1 :] if chosen else found
         if skipped and trainer.accelerator.is_main_process:

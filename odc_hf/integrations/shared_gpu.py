@@ -19,10 +19,19 @@ Entered automatically when a launch starts more processes on a node than the nod
 * ``activation_checkpointing="auto"`` plans against the GPU's memory divided by the ranks sharing it.
 
 Automatic, not a switch: on such a launch nothing else can run (NCCL cannot start), so there is no choice to make;
-``one line`` on the main process says the mode is on. Arguments that odc_hf builds (``ODCSFTConfig``,
-``ODCGRPOConfig``, ``ODCTrainingArguments``) take ``ddp_backend="gloo"`` by themselves; with transformers' or TRL's
-own arguments, ``python -m odc_hf.run`` and ``ODCAccelerator`` start the gloo group before them, and a Trainer
-whose arguments already started NCCL stops with what to set (``ddp_backend="gloo"``).
+``one line`` on the main process says the mode is on. Every way in gets the gloo group (:func:`settle_process_group`):
+
+* arguments that odc_hf builds (``ODCSFTConfig``, ``ODCGRPOConfig``, ``ODCTrainingArguments``) take
+  ``ddp_backend="gloo"`` by themselves;
+* ``python -m odc_hf.run`` and ``ODCAccelerator`` start the gloo group before anything else;
+* transformers' ``TrainingArguments`` and TRL's ``SFTConfig`` / ``GRPOConfig`` built in your own script or notebook
+  start NCCL (lazily: it connects at its first collective, which two ranks on one GPU cannot do). The ODC trainers,
+  ``ODCAccelerator`` and ``odc_hf.prepare`` replace that unused NCCL group with a gloo group before their first
+  collective (:func:`replace_default_group`; under torchrun, ``accelerate launch`` and ``notebook_launcher``, whose
+  rendezvous store outlives the group), and accelerate's state is told the group's backend
+  (:mod:`odc_hf.integrations.accelerate_state`: its gathers of 2-D tensors depend on it). A collective your own
+  code runs before the trainer (``training_args.main_process_first()``) still meets NCCL there: build odc_hf's
+  arguments for that, or launch through ``python -m odc_hf.run`` (both set the ranks up before the arguments).
 """
 
 from __future__ import annotations
@@ -119,10 +128,69 @@ def init_process_group(environ=None, timeout_s: float = 1800.0) -> bool:
     announce(environ)
     localize_rank(environ)
     if dist.is_available() and not dist.is_initialized():
-        torch.cuda.set_device(device(environ))
+        if torch.cuda.is_available():  # always, in the mode (a CPU test stands in for it without)
+            torch.cuda.set_device(device(environ))
         dist.init_process_group(BACKEND, timeout=timedelta(seconds=timeout_s))
     check_backend(environ)
     return True
+
+
+def settle_process_group(environ=None, timeout_s: float = 1800.0) -> None:
+    """Before the first collective of an ODC trainer or accelerator: in a shared-GPU launch, the default process group
+    is gloo (started here if none exists; an NCCL group that the training arguments started is replaced, see
+    :func:`replace_default_group`) and ``LOCAL_RANK`` names this rank's GPU; in every launch, accelerate's state names
+    the group's real backend (:func:`odc_hf.integrations.accelerate_state.align_backend`) and, in the mode, its
+    local process index this rank's GPU."""
+    from odc_hf.integrations.accelerate_state import align_backend, align_local_process_index
+
+    environ = os.environ if environ is None else environ
+    if active(environ):
+        announce(environ)
+        localize_rank(environ)  # idempotent; the arguments may have read LOCAL_RANK before (aligned below)
+        if not (dist.is_available() and dist.is_initialized()):
+            init_process_group(environ, timeout_s=timeout_s)  # no group yet: gloo now
+        elif _group_backend() == "nccl" and _store_outlives_group(environ):
+            replace_default_group(environ, timeout_s=timeout_s)
+        check_backend(environ)  # anything but gloo now is refused, saying what to set
+        align_local_process_index(_int_env(environ, "LOCAL_RANK"))
+    align_backend()
+
+
+def _group_backend() -> str:
+    return str(dist.get_backend()).lower() if dist.is_available() and dist.is_initialized() else ""
+
+
+def _store_outlives_group(environ) -> bool:
+    """Whether the launch's rendezvous store lives on when the group is destroyed: torchrun's (``accelerate launch``,
+    ``notebook_launcher``) agent holds it (``TORCHELASTIC_USE_AGENT_STORE=True``) and every rank is its client."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and bool(environ.get("MASTER_PORT", "").isdigit())
+
+
+_REPLACEMENTS: list[int] = []
+
+
+def replace_default_group(environ=None, timeout_s: float = 1800.0) -> None:
+    """Replace the default process group by a gloo group of the same ranks, through the launch's rendezvous store.
+
+    For an NCCL group that the training arguments started in a shared-GPU launch: torch starts NCCL's communicators
+    at the first collective, and that collective cannot succeed with two ranks on one GPU ("duplicate GPU"), so the
+    group has carried nothing when odc_hf takes over. The new group meets under a key prefix of its own in the
+    launcher's store (the old group's keys stay where they are), with every rank's rank and world size unchanged.
+    Collective: every rank calls it at the same point. torch supports re-creating the default group after
+    ``destroy_process_group`` (it resets its group counter for that)."""
+    environ = os.environ if environ is None else environ
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    old = _group_backend()
+    dist.destroy_process_group()
+    _REPLACEMENTS.append(1)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(environ.get("MASTER_ADDR", "127.0.0.1"), int(environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)  # fmt: skip
+    prefix = dist.PrefixStore(f"odc_hf/shared_gpu_gloo/{len(_REPLACEMENTS)}", store)
+    dist.init_process_group(BACKEND, store=prefix, rank=rank, world_size=world_size, timeout=timeout)
+    if rank == 0:
+        logger.warning("odc_hf: %s: the %s process group that the training arguments started was replaced by gloo",
+                       describe(environ), old)  # fmt: skip
 
 
 def check_backend(environ=None) -> None:
@@ -133,7 +201,7 @@ def check_backend(environ=None) -> None:
     if not (active(environ) and dist.is_available() and dist.is_initialized()):
         return
     local_rank = _int_env(environ, "LOCAL_RANK")
-    if local_rank is not None and local_rank >= torch.cuda.device_count():
+    if local_rank is not None and torch.cuda.is_available() and local_rank >= torch.cuda.device_count():
         raise RuntimeError(
             f"odc_hf: {describe(environ)}, but LOCAL_RANK={local_rank} names no GPU: accelerate's barrier would ask "
             f"for cuda:{local_rank} ('invalid device ordinal'). Let odc_hf set up the ranks before your training "
@@ -145,9 +213,10 @@ def check_backend(environ=None) -> None:
     if "nccl" in backend:
         raise RuntimeError(
             f"odc_hf: {describe(environ)}, but the process group is {backend}: NCCL refuses two ranks on one GPU "
-            "('duplicate GPU'). Use gloo: ddp_backend='gloo' in the training arguments (odc_hf's ODCSFTConfig / "
-            "ODCGRPOConfig / ODCTrainingArguments set it by themselves), or launch through `python -m odc_hf.run` "
-            "(docs/troubleshooting.md, 'Ranks sharing a GPU')"
+            "('duplicate GPU'), and odc_hf replaces an unused NCCL group only under torchrun, `accelerate launch` or "
+            "notebook_launcher (their rendezvous store outlives the group). Use gloo: ddp_backend='gloo' in the "
+            "training arguments (odc_hf's ODCSFTConfig / ODCGRPOConfig / ODCTrainingArguments set it by themselves), "
+            "or launch through `python -m odc_hf.run` (docs/troubleshooting.md, 'Ranks sharing a GPU')"
         )
 
 
@@ -177,4 +246,6 @@ __all__ = [
     "init_process_group",
     "localize_rank",
     "ranks_per_gpu",
+    "replace_default_group",
+    "settle_process_group",
 ]

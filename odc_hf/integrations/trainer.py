@@ -104,7 +104,9 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         training_args = self._odc_argument("args", args, kwargs)  # GRPO's is 3rd, not 2nd
         # before the base trainer's first barrier (TRL prepares its dataset "main process first")
         check_cpu_ranks_have_no_gpu_to_pick(use_cpu=bool(getattr(training_args, "use_cpu", False)))
-        shared_gpu.check_backend()  # ranks sharing a GPU: the arguments must have started gloo, not NCCL
+        # ranks sharing a GPU: gloo before the base trainer's first collective (an unused NCCL group that the
+        # arguments started is replaced), and accelerate told the group's backend (its gathers depend on it)
+        shared_gpu.settle_process_group(timeout_s=float(getattr(training_args, "ddp_timeout", 1800) or 1800))
         check_trainer(type(self))  # the private Trainer methods overridden below exist in this transformers
         if getattr(training_args, "use_liger_kernel", False):  # where the base trainer applies Liger itself (GRPO)
             compute_path.pin_liger_rope()

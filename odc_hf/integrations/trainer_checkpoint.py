@@ -32,9 +32,12 @@ class CheckpointPart:
 
     def _odc_resolve_resume(self, resume_from_checkpoint):
         """``train()``'s ``resume_from_checkpoint``, checked on every rank before the Trainer loads anything: ``True``
-        becomes the last COMPLETE checkpoint of the output directory; a path must be complete."""
+        (or ``"true"`` / ``"last"``, as command lines pass it) becomes the last COMPLETE checkpoint of the output
+        directory; a path must be complete."""
+        given = resume_from_checkpoint
+        resume_from_checkpoint = resume.requested(resume_from_checkpoint)
         if resume_from_checkpoint:
-            resume_from_checkpoint = resume.resolve(self, resume_from_checkpoint)
+            resume_from_checkpoint = resume.resolve(self, resume_from_checkpoint, given)
         resuming = isinstance(resume_from_checkpoint, str)
         self._odc_resume_checkpoint = resume_from_checkpoint if resuming else None
         return resume_from_checkpoint

@@ -23,12 +23,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
 
+from odc_hf.transport import ipc_files, shm_files
 from odc_hf.transport import peer_memory as peer_memory_module
-from odc_hf.transport import shm_files
 from odc_hf.transport.base import (
     DEFAULT_TIMEOUT_S,
     Transport,
@@ -106,6 +107,18 @@ class _Unit:
         self.summed = False  # deterministic mode: whether the owner has folded its slots since the last reset
 
 
+def _closer(ref: weakref.ref):
+    """``close()`` of the transport ``ref`` names, if it still lives (no reference kept: a transport that is dropped
+    goes)."""
+
+    def close() -> None:
+        transport = ref()
+        if transport is not None:
+            transport.close()
+
+    return close
+
+
 class CudaTransport(Transport):
     """ODC transport for the GPUs of one node: ``torch.cuda.set_device`` first (ranks may share a GPU).
 
@@ -141,8 +154,10 @@ class CudaTransport(Transport):
         available = (True, "") if peer_memory == "ipc" else peer_memory_module.symmetric_memory_available()
         self.peer_memory = peer_memory_module.choose(peer_memory, identities, available)
         self._buffers = peer_memory_module.make_buffers(
-            self.peer_memory.backend, self.group, self.rank, self.world_size, self.device
+            self.peer_memory.backend, self.group, self.rank, self.world_size, self.device, job=self.control.job
         )
+        if self.peer_memory.backend == "ipc":  # at interpreter exit, let go of the peers' blocks before the cleanup
+            ipc_files.add_releaser(_closer(weakref.ref(self)))
         key = (self.peer_memory.backend, self.peer_memory.reason)
         if key not in _LOGGED:
             _LOGGED.add(key)

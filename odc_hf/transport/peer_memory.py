@@ -19,6 +19,9 @@ allocations as POSIX file descriptors rather than ``cudaIpcMemHandle`` s, which 
 :func:`check_peer_mappings` reads back what a peer wrote into a mapped buffer at registration, so a mapping that
 does not work stops the job with a clear error instead of training on garbage.
 
+CUDA IPC leaves files in /dev/shm (torch's reference counters, the driver's interprocess events): which, and how
+they are removed whatever way the job ends, :mod:`odc_hf.transport.ipc_files`.
+
 ``torch.distributed._symmetric_memory`` is a private module: every use of it is in this file, behind
 :func:`symmetric_memory_module`, which checks the torch version and the functions used.
 """
@@ -26,12 +29,17 @@ does not work stops the job with a clear error instead of training on garbage.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 
 import torch
 import torch.distributed as dist
 
+from odc_hf.transport import ipc_files
 from odc_hf.transport.base import ODCError
 from odc_hf.version import require_torch
+
+logger = logging.getLogger(__name__)
 
 PEER_MEMORY_CHOICES = ("auto", "symmetric_memory", "ipc")
 """``auto``: symmetric memory when every rank has its own GPU, else CUDA IPC; or one of the two by name."""
@@ -139,24 +147,42 @@ class IpcBuffers:
     """Ordinary CUDA allocations, mapped by the peers through CUDA IPC handles (works on a shared GPU).
 
     The owner keeps its tensor and the peers keep their mapped tensors until :meth:`close`; torch's IPC reference
-    counting lets the owner's allocator reuse the memory only once every peer has let go of it."""
+    counting lets the owner's allocator reuse the memory only once every peer has let go of it. The files torch and
+    the CUDA driver make in /dev/shm for it are recorded in this process's ledger (``job``: the transport's job id),
+    so that they are removed however the job ends (:mod:`odc_hf.transport.ipc_files`)."""
 
     name = "CUDA IPC"
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, device: torch.device):
+    def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int, device: torch.device,
+                 job: str | None = None):  # fmt: skip
         from torch.multiprocessing.reductions import reduce_tensor
 
         self._reduce = reduce_tensor
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
         self._views: list[list[torch.Tensor]] = []
+        self.ledger = _open_ledger(job)
+
+    def __del__(self):
+        ledger = getattr(self, "ledger", None)
+        if ledger is not None:  # the mappings go with this object: peers must not count on them any more
+            try:
+                ledger.released()
+            except Exception:  # noqa: BLE001 - at interpreter shutdown the modules it needs may be gone
+                pass
 
     def allocate(self, nbytes: int) -> list[torch.Tensor]:
         buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         torch.cuda.synchronize(self.device)  # zeroed before any peer maps it
         rebuild, args = self._reduce(buffer)
+        if self.ledger is not None:  # torch's counter file and the driver's event file, now that both exist
+            self.ledger.record_own([ipc_files.counter_file(rebuild, args)])
+            self.ledger.record_driver_files()
         handles: list = [None] * self.world_size
         dist.all_gather_object(handles, (rebuild, args), group=self.group)
         views = [buffer if peer == self.rank else fn(*fn_args) for peer, (fn, fn_args) in enumerate(handles)]
+        if self.ledger is not None:  # after mapping, never before: a listed file must really be held
+            self.ledger.record_mapped(ipc_files.counter_file(fn, fn_args) for fn, fn_args in handles)
+            self.ledger.record_driver_files()  # should opening the peers' events make one too
         for peer, view in enumerate(views):
             if view.numel() != nbytes or view.device.type != "cuda":
                 raise ODCError(
@@ -168,12 +194,30 @@ class IpcBuffers:
 
     def close(self) -> None:
         self._views.clear()
+        if self.ledger is not None:
+            self.ledger.released()
 
 
-def make_buffers(backend: str, group: dist.ProcessGroup, rank: int, world_size: int, device: torch.device):
-    """The allocator of peer-mapped buffers for ``backend`` (``symmetric_memory`` or ``ipc``)."""
-    cls = {"symmetric_memory": SymmetricMemoryBuffers, "ipc": IpcBuffers}[backend]
-    return cls(group, rank, world_size, device)
+def _open_ledger(job: str | None):
+    """This process's ledger of CUDA IPC files for ``job`` in /dev/shm, or ``None`` where there is no /dev/shm to
+    write (the files then land nowhere odc_hf could clean)."""
+    directory = ipc_files.SHM_DIR
+    if job is None or not (directory.is_dir() and os.access(directory, os.W_OK)):
+        return None
+    try:
+        return ipc_files.IpcLedger(job, directory)
+    except OSError as err:
+        logger.warning("odc_hf: no ledger of CUDA IPC files in %s (%s): a killed rank's files stay there", directory, err)
+        return None
+
+
+def make_buffers(backend: str, group: dist.ProcessGroup, rank: int, world_size: int, device: torch.device,
+                 job: str | None = None):  # fmt: skip
+    """The allocator of peer-mapped buffers for ``backend`` (``symmetric_memory`` or ``ipc``); ``job``: the
+    transport's job id, for the ledger of CUDA IPC's files."""
+    if backend == "ipc":
+        return IpcBuffers(group, rank, world_size, device, job=job)
+    return SymmetricMemoryBuffers(group, rank, world_size, device)
 
 
 def check_peer_mappings(views: list[torch.Tensor], rank: int, world_size: int, barrier) -> None:
