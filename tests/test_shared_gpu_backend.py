@@ -79,7 +79,8 @@ def _gathers_ranks(rank, world_size, out):
     from transformers import TrainingArguments
 
     import odc_hf
-    from odc_hf.integrations.accelerate_state import TESTED_ACCELERATE, believed_backend
+    from odc_hf.integrations.accelerate_state import believed_backend
+    from odc_hf.version import TESTED, minor
 
     TrainingArguments(output_dir=out, report_to="none")  # transformers' own arguments create accelerate's state
     accelerator = Accelerator()
@@ -92,7 +93,7 @@ def _gathers_ranks(rank, world_size, out):
     odc_hf.prepare(accelerator, torch.utils.data.DataLoader(list(range(4))))  # through adopt, as every ODC accelerator
     import accelerate
 
-    tested = ".".join(accelerate.__version__.split(".")[:2]) in TESTED_ACCELERATE
+    tested = minor(accelerate.__version__) in TESTED["accelerate"]
     return before, failed_before, tested, believed_backend(), _gather_mismatches(accelerator, world_size, rank)
 
 

@@ -99,13 +99,11 @@ def test_another_trl_minor_warns_and_a_missing_name_is_refused(fresh_policy, mon
 
     monkeypatch.setattr(trl, "__version__", "1.17.0")
 
-    class HasAll:
-        _metrics = {}
-        _total_train_tokens = 0
+    HasAll = type("HasAll", (), dict.fromkeys(trl_version.SFT_PRIVATE_ATTRIBUTES))
 
     with pytest.warns(version.UntestedVersionWarning, match="trl 1.17.0"):
         trl_version.check_trl_sft(HasAll())  # warns, goes on
-    with pytest.raises(RuntimeError, match=r"lacks \['_total_train_tokens'\]"):
+    with pytest.raises(RuntimeError, match=r"lacks \['_total_train_tokens', 'aux_loss_enabled'"):
         trl_version.check_trl_sft(type("Renamed", (), {"_metrics": {}})())
 
 

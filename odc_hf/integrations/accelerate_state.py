@@ -15,8 +15,9 @@ odc_hf starts a gloo group before accelerate's state exists where ranks share a 
 create that state with the CUDA default. :func:`align_backend` puts the group's real backend into accelerate's state;
 every accelerator odc_hf uses passes through it (``adopt``). Where the training arguments created the state before
 odc_hf could set ``LOCAL_RANK`` to the rank's GPU, :func:`align_local_process_index` does the same for accelerate's
-local process index. Neither field is documented as settable, so this module is the one place that writes them; ``tests/test_shared_gpu_backend.py`` checks on
-:data:`TESTED_ACCELERATE` that accelerate's gathers then work on gloo for 2-D tensors of every dtype gloo carries.
+local process index. Neither field is documented as settable, so this module is the one place that writes them;
+``tests/test_shared_gpu_backend.py`` checks that accelerate's gathers then work on gloo for 2-D tensors of every
+dtype gloo carries, on the tested accelerate minors (``odc_hf.version.TESTED``; another one warns once).
 """
 
 from __future__ import annotations
@@ -26,27 +27,16 @@ import logging
 import accelerate
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState, is_initialized
-from packaging.version import Version
+
+from odc_hf.version import warn_if_untested
 
 logger = logging.getLogger(__name__)
 
-TESTED_ACCELERATE = ("1.15", "1.16")
-"""accelerate minors whose gather path and ``PartialState.backend`` were read and tested for :func:`align_backend`."""
-
 GLOO = "gloo"
-_WARNED: list[bool] = []
 
 
 def _check_version() -> None:
-    """Once per process: say so when the installed accelerate is not one :func:`align_backend` was tested on."""
-    minor = ".".join(Version(accelerate.__version__).base_version.split(".")[:2])
-    if minor not in TESTED_ACCELERATE and not _WARNED:
-        _WARNED.append(True)
-        logger.warning(
-            "odc_hf: accelerate %s: odc_hf corrects accelerate's state to the process group it runs (backend, local "
-            "process index), as tested on accelerate %s. If a gather or barrier fails, report it with this line",
-            accelerate.__version__, " and ".join(TESTED_ACCELERATE),
-        )  # fmt: skip
+    warn_if_untested("accelerate")  # once per process, on rank 0
 
 
 def believed_backend() -> str | None:
@@ -91,4 +81,4 @@ def align_local_process_index(index: int | None) -> bool:
     return True
 
 
-__all__ = ["TESTED_ACCELERATE", "align_backend", "align_local_process_index", "believed_backend"]
+__all__ = ["align_backend", "align_local_process_index", "believed_backend"]
