@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMES = list(FAMILIES)
 CONTROLS = [(name, variant) for name, family in FAMILIES.items() for variant in family.variants]
 GRPO_NAMES = [name for name, family in FAMILIES.items() if family.grpo]
+PLAIN = ("qwen3_moe",)  # ODCTrainer (transformers' Trainer) with the model's own router loss
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +56,9 @@ def trl(tmp_path_factory, cpu_env) -> dict[str, list[dict]]:
 @pytest.fixture(scope="module")
 def odc(tmp_path_factory, cpu_env) -> dict[int, dict[str, dict]]:
     out = tmp_path_factory.mktemp("zoo_odc")
-    one = zoo_runs.odc_run(NAMES, str(out / "w1"), 1)
-    two = run_ranks(zoo_runs.odc_rank, 2, NAMES, str(out / "w2"), env={"ACCELERATE_USE_CPU": "true"}, timeout_s=900)
+    one = zoo_runs.odc_rank(0, 1, NAMES, str(out / "w1"), PLAIN)
+    two = run_ranks(zoo_runs.odc_rank, 2, NAMES, str(out / "w2"), PLAIN, env={"ACCELERATE_USE_CPU": "true"},
+                    timeout_s=900)  # fmt: skip
     assert two[0] == two[1] or all(two[0][n]["history"] == two[1][n]["history"] for n in NAMES)
     return {1: one, 2: two[0]}
 
@@ -75,6 +77,20 @@ def test_odc_sft_trains_each_family_as_trl_does(name, world, trl, odc):
     difference = largest_difference(run["history"], trl[name], renamed={"grad_norm": "grad_norm_fp64"} if world > 1 else None)
     print(f"{name} world {world} ({implementation}): {difference:.1e}")
     assert difference <= RTOL, (run["history"], trl[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", PLAIN)
+def test_odc_trainer_keeps_the_models_own_router_loss_as_transformers_trainer_does(name, world, odc, tmp_path, cpu_env):
+    # transformers' Trainer adds the model's whole router loss to each microbatch's loss (coef * aux, not divided by
+    # the accumulation steps): ODCTrainer computes what that Trainer computes in one process on the same microbatches
+    reference = zoo_runs.plain_run(name, tmp_path)["history"]
+    ours = odc[world][f"plain:{name}"]["history"]
+    difference = largest_difference(ours, reference, keys=("loss", "grad_norm"),
+                                    renamed={"grad_norm": "grad_norm_fp64"} if world > 1 else None)  # fmt: skip
+    print(f"{name} ODCTrainer world {world}: {difference:.1e}")
+    assert difference <= RTOL, (ours, reference)
 
 
 @pytest.mark.slow

@@ -285,8 +285,55 @@ def odc_run(names: list[str], out: str, world: int, setting: str = "cpu", bf16: 
     return results
 
 
-def odc_rank(rank: int, world: int, names: list[str], out: str) -> dict[str, dict]:
-    return odc_run(names, out, world)
+def odc_rank(rank: int, world: int, names: list[str], out: str, plain: tuple[str, ...] = ()) -> dict[str, dict]:
+    results = odc_run(names, out, world)
+    results.update({f"plain:{name}": plain_run(name, f"{out}/plain", world) for name in plain})
+    return results
+
+
+# -- transformers' Trainer: the model's own loss, router loss included ------------------------------------------------
+def plain_args(out, world: int = 1):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=MICRO,
+                             gradient_accumulation_steps=MINIBATCH // MICRO // world, learning_rate=3e-3,
+                             lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1e3, seed=SEED,
+                             logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                             dataloader_drop_last=True, disable_tqdm=True, train_sampling_strategy="sequential")  # fmt: skip
+
+
+def plain_model(name: str, tokenizer):
+    """The family's model with its router loss on (``output_router_logits``: the model adds
+    ``router_aux_loss_coef * aux_loss`` to its own loss, as transformers' ``Trainer`` trains it)."""
+    model = build(name, tokenizer)
+    model.config.output_router_logits = True
+    return model
+
+
+def plain_run(name: str, out, world: int = 0) -> dict:
+    """transformers' ``Trainer`` in one process (``world=0``: the reference) or ``ODCTrainer`` on ``world`` ranks, on
+    the same microbatches (see the module docstring)."""
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
+    from odc_hf import ODCConfig, ODCTrainer
+    from odc_hf.testing.data import default_tokenizer
+
+    tokenizer = default_tokenizer()
+    if world == 0:
+        model = plain_model(name, tokenizer)
+        norms = Fp64GradNorm(model)
+        trainer = Trainer(model=model, args=plain_args(f"{out}/reference"), train_dataset=dataset(tokenizer),
+                          data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), callbacks=[norms])  # fmt: skip
+        trainer.train()
+        return {"history": [dict(h, grad_norm_fp64=n) for h, n in zip(history(trainer), norms.norms)]}
+    trainer_cls = type("ZooODCTrainer", (ODCTrainer,), {"odc_sampler_class": forced_sampler(world)})
+    trainer = trainer_cls(model=plain_model(name, tokenizer), args=plain_args(f"{out}/odc", world),
+                          train_dataset=dataset(tokenizer), processing_class=tokenizer,
+                          odc_config=ODCConfig(max_tokens_per_microbatch=CPU.budget, timeout_s=120))  # fmt: skip
+    trainer.train()
+    if trainer.odc is not None:
+        trainer.odc.close()
+    return {"history": history(trainer)}
 
 
 def relative(a: float, b: float) -> float:
