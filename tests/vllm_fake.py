@@ -24,18 +24,27 @@ as vLLM's ``seed``; ``logit_bias`` and ``stop_token_ids`` honoured), returns the
 after temperature (vLLM's ``logprobs_mode="processed_logprobs"``, which TRL asks for), and records every event
 (syncs, resets, sleep / wake-up, generations), every generation's prompts and completions, and a copy of its
 parameters at every generation (``weights_at_generate``: what it generated with).
+
+For timing checks (tests/test_grpo_vllm_benchmark.py), two environment variables: ``VLLM_STAND_IN_DELAYS``
+(``generate=S,sync=S``) makes every ``generate`` call, and the first weight load after a generation (the start of a
+sync), sleep that long; ``VLLM_STAND_IN_LOG`` (a file) gets one JSON line per ``generate`` and per weight load
+(``engine``, ``event``, ``seconds`` measured inside the engine).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import math
 import os
+import time
 import types
 
 import torch
 import torch.nn.functional as F
 
+_ENGINES = itertools.count()
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: embedding rows are padded to a multiple of it
 STACKED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
@@ -216,6 +225,23 @@ class FakeLLM:
         else:
             self.model.randomize(seed=12345)
         self.model.eval()
+        self.delays = {k: float(v) for k, v in (item.split("=") for item in
+                                                os.environ.get("VLLM_STAND_IN_DELAYS", "").split(",") if item)}  # fmt: skip
+        self.log = os.environ.get("VLLM_STAND_IN_LOG")
+        self.name = f"{os.getpid()}-{next(_ENGINES)}"  # one engine per run, also several in a process
+        self.syncing = False  # whether a weight load since the last generation started a sync already
+        load = self.model.load_weights
+
+        def timed_load(weights):  # TRL's own sync calls it once per parameter, ODC's once per sync
+            start = time.perf_counter()
+            if not self.syncing:
+                self.syncing = True
+                time.sleep(self.delays.get("sync", 0.0))
+            loaded = load(weights)
+            self._record("load", time.perf_counter() - start)
+            return loaded
+
+        self.model.load_weights = timed_load
         self.generator = torch.Generator().manual_seed(int(kwargs.get("seed", 0)))
         self.events: list[str] = []
         self.generated: list[dict] = []  # per generate(): its prompts and completions
@@ -226,6 +252,11 @@ class FakeLLM:
             model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(model_runner=runner))
         )
         type(self).instances.append(self)
+
+    def _record(self, event: str, seconds: float) -> None:
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(json.dumps({"engine": self.name, "event": event, "seconds": seconds}) + "\n")
 
     def apply_model(self, fn):
         self.events.append("apply_model")
@@ -246,7 +277,10 @@ class FakeLLM:
 
     @torch.no_grad()
     def generate(self, prompts, sampling_params=None, use_tqdm=False):
+        start = time.perf_counter()
         self.events.append("generate")
+        self.syncing = False
+        time.sleep(self.delays.get("generate", 0.0))
         self.weights_at_generate.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
         params = sampling_params
         stop = {self.model.config.eos_token_id, *(getattr(params, "stop_token_ids", None) or ())}
@@ -271,6 +305,7 @@ class FakeLLM:
             results.append(RequestOutput(ids, [Completion(tokens, logprobs)]))
         self.generated.append({"prompts": [r.prompt_token_ids for r in results],
                                "completions": [r.outputs[0].token_ids for r in results]})  # fmt: skip
+        self._record("generate", time.perf_counter() - start)
         return results
 
 
