@@ -121,12 +121,14 @@ STARTED: dict[int, float] = {}
 
 def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", *, start=0, save_after=None,
                     load_from=None, checkpoint_dir=None, max_norm=1.0, fail_rank=None, fail_mode="raise",
-                    mesh_shape=None, timeout_s=30, tie=True, deterministic=False):  # fmt: skip
+                    mesh_shape=None, timeout_s=30, tie=True, deterministic=False, delays=None):  # fmt: skip
     """FSDP2 on the tiny Qwen2 with ``mode`` "odc" (uneven microbatch counts) or "fsdp" (collectives; counts
-    padded to the max with zero-weighted microbatches). Returns rank 0's record of grads/norms/params.
+    padded to the max with zero-weighted microbatches). Returns rank 0's record of grads/norms/params (and, under
+    ODC, ``odc``: the handle's one-line description, transport and accumulation mode included).
 
     ``mesh_shape=(R, S)``: HSDP on a ``(replicate, shard)`` mesh (FSDP2's own all-reduce per microbatch in
-    "fsdp" mode). ``fail_rank`` raises (``fail_mode="raise"``) or dies (``"die"``) in minibatch 1."""
+    "fsdp" mode). ``fail_rank`` raises (``fail_mode="raise"``) or dies (``"die"``) in minibatch 1. ``delays``: seconds
+    each rank waits before its microbatches of every minibatch (ranks' pushes forced into an order)."""
     import os
     import time
 
@@ -174,6 +176,8 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
             # collective's own error. So everyone leaves minibatch 0 first.
             dist.barrier()
         STARTED[m] = time.monotonic()
+        if delays is not None:
+            time.sleep(delays[rank])
         with guard:
             for i, (ids, w) in enumerate(zip(mine, weights)):
                 if fail_rank == rank and m == 1 and i == 0:
@@ -192,7 +196,7 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
         opt.step()
         opt.zero_grad()
         record.append({"grads": grads, "norm": norm, "params": snapshot(model, grads=False), "tokens": total,
-                       "counts": schedule(counts, m)})  # fmt: skip
+                       "counts": schedule(counts, m), "odc": odc.describe() if odc is not None else None})  # fmt: skip
         if save_after == m:
             save_checkpoint(model, opt, checkpoint_dir)
     if odc is not None:
@@ -200,49 +204,29 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
     return record if rank == 0 else None
 
 
-class _GroupSums:
-    """What ``odc_hf.fsdp.gradients.clip_grad_norm_`` asks of an ODC handle (one number summed / maximised over the
-    shard group), through the process group instead of ODC's barrier: the collective mode's clipping."""
-
-    def __init__(self, model):
-        import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
-
-        grads = [p.grad for p in model.parameters() if isinstance(p.grad, DTensor)]
-        mesh = grads[0].device_mesh if grads else None
-        self.group = mesh.get_group(mesh.ndim - 1) if mesh is not None else None  # HSDP: replicas hold equal shards
-        self.device = next(model.parameters()).device
-        self.on_cpu = "gloo" in str(dist.get_backend())
-
-    def _reduce(self, value: float, op) -> float:
-        import torch.distributed as dist
-
-        tensor = torch.tensor([float(value)], dtype=torch.float64, device="cpu" if self.on_cpu else self.device)
-        dist.all_reduce(tensor, op=op, group=self.group)  # two ranks: r0 + r1, the barrier's rank-order sum
-        return float(tensor.item())
-
-    def reduce_sum(self, value: float, *, what: str = "") -> float:
-        import torch.distributed as dist
-
-        return self._reduce(value, dist.ReduceOp.SUM)
-
-    def reduce_max(self, value: float) -> float:
-        import torch.distributed as dist
-
-        return self._reduce(value, dist.ReduceOp.MAX)
-
-    def _device(self):
-        return self.device
-
-
 def clip(model, max_norm: float, odc) -> float:
-    """Clip as the ODC trainers do, in both modes, so that ODC and FSDP2 collectives update bit for bit alike:
-    ``odc_hf.fsdp.gradients.clip_grad_norm_`` (fp64 sums of the local shards' squared norms, torch's coefficient),
-    summed at ODC's barrier or, for FSDP2 collectives, by an all-reduce. No functional collective, so it also runs
-    where those cannot (gloo with CUDA tensors: ranks sharing a GPU)."""
-    from odc_hf.fsdp.gradients import clip_grad_norm_
+    """Clip the gradients; the norm before clipping. ODC: odc_hf's clipping (``ODCHandle.clip_grad_norm_``, the code
+    under test: fp64 sums of the local shards at ODC's barrier). FSDP2 collectives, the reference: torch's own
+    ``torch.nn.utils.clip_grad_norm_`` on the DTensor gradients (fp32 norms reduced by a functional all-reduce), or,
+    where functional collectives cannot run (gloo with CUDA tensors: ranks sharing a GPU; they crash there), torch's
+    ``get_total_norm`` of the DTensor gradients reduced through CPU tensors, then torch's ``clip_grads_with_norm_``.
 
-    return float(clip_grad_norm_(odc if odc is not None else _GroupSums(model), model.parameters(), max_norm))
+    The two norms differ by rounding (fp64 vs fp32 sums), so the clipped updates may differ in the last bit; under bf16
+    compute such a bit can flip a parameter's bf16 rounding. Comparisons that must stay bitwise (ODC vs FSDP2 in bf16)
+    run without clipping (``max_norm`` above every norm: the coefficient is exactly 1 in both modes)."""
+    import torch.distributed as dist
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    from odc_hf.fsdp.state_dict import full_tensor_on_cpu
+
+    if odc is not None:
+        return float(odc.clip_grad_norm_(model.parameters(), max_norm))
+    params = [p for p in model.parameters() if p.grad is not None]
+    if params[0].device.type == "cuda" and "gloo" in str(dist.get_backend()):
+        total = full_tensor_on_cpu(get_total_norm([p.grad for p in params])).to(params[0].device)
+        clip_grads_with_norm_(params, max_norm, total)
+        return float(total)
+    return float(full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
 
 
 def check_partial_reduce_outputs(odc) -> None:

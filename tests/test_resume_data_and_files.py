@@ -1,9 +1,14 @@
 """What a resume checks beyond the checkpoint's parts (one process, in this process: ODCSFTTrainer on a tiny model):
 
-- the model files: a ``model.safetensors`` cut short (a copy that did not finish) is named before anything loads,
-  with the earlier checkpoint to resume from, instead of safetensors' "incomplete metadata" error without a file name;
-- the training data: resuming with another dataset than the checkpoint saw (8 samples where it had 16) warns, giving
-  both sizes and fingerprints (the checkpoint marker records them);
+- the model files: a ``model.safetensors`` cut short (a copy that did not finish), a shard that a sharded model's
+  ``model.safetensors.index.json`` lists but that is missing, an index that cannot be read, and accelerate's sharded
+  model folder (``pytorch_model_fsdp_0/``) without its metadata or with a shard cut short, are each named before
+  anything loads, with the earlier checkpoint to resume from, instead of the loader's own error without the
+  checkpoint's name. For every damage the library's own loader (transformers', safetensors', DCP's) is shown to fail
+  on it too (so the check refuses nothing loadable), and the intact files pass (a sharded model resumes);
+- the training data: resuming with another dataset than the checkpoint saw warns, giving both sizes and
+  fingerprints (the checkpoint marker records them): 8 samples where it had 16, and 16 samples of other content or
+  in another order (the same size: only the token-count fingerprint tells them apart);
 - the notices odc_hf gives about settings it changed (gradient accumulation folded into the minibatch, a checkpoint
   resumed on another number of ranks) are warnings, shown at transformers' default verbosity.
 """
@@ -32,16 +37,18 @@ class _Warnings(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _trainer(out, num_samples: int):
+def _trainer(out, num_samples: int, *, seed: int = 0, reverse: bool = False):
     from odc_hf import ODCConfig, ODCSFTConfig, ODCSFTTrainer
     from odc_hf.testing.data import default_text_dataset, default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
     args = ODCSFTConfig(output_dir=str(out), max_steps=2, per_device_train_batch_size=PER_DEVICE,
-                        gradient_accumulation_steps=ACCUMULATION, save_strategy="steps", save_steps=1, max_length=64,
+                        gradient_accumulation_steps=ACCUMULATION, save_strategy="steps", save_steps=1, max_length=256,
                         packing=False, bf16=False, use_cpu=True, logging_steps=1, report_to="none",
                         disable_tqdm=True)  # fmt: skip
-    data = default_text_dataset(num_samples, max_chars=300)
+    data = default_text_dataset(num_samples, max_chars=300, seed=seed)
+    if reverse:
+        data = data.select(range(num_samples - 1, -1, -1))
     return ODCSFTTrainer(model=tiny_qwen2_model(tokenizer), args=args, train_dataset=data, processing_class=tokenizer,
                          odc_config=ODCConfig(log_timeline=False))  # fmt: skip
 
@@ -104,6 +111,136 @@ def test_resuming_with_another_dataset_warns_with_both_sizes(saved_run, tmp_path
     assert f"{run / 'checkpoint-2'}" in changed[0] and "skips the 2 steps already trained" in changed[0], (
         changed[0]
     )
+
+
+@pytest.mark.parametrize("change", ["other_samples", "other_order"])
+def test_resuming_with_a_dataset_of_the_same_size_but_other_content_warns(saved_run, tmp_path, monkeypatch, change):
+    """The fingerprint branch: the sizes agree, so only the token-count fingerprint can tell. Reference: the texts
+    themselves differ (other documents, or the same ones in reverse order). The fingerprint hashes the samples' token
+    counts: samples all truncated to one length (max_length 64 here, before) look alike, so max_length keeps every
+    sample whole."""
+    from odc_hf.testing.data import default_text_dataset
+
+    out, _ = saved_run
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    run = shutil.copytree(out, tmp_path / "run")
+    options = {"seed": 1} if change == "other_samples" else {"reverse": True}
+    saved_texts = default_text_dataset(SAMPLES, max_chars=300)["text"]
+    assert saved_texts != (default_text_dataset(SAMPLES, max_chars=300, seed=1)["text"] if options.get("seed")
+                           else saved_texts[::-1])  # fmt: skip
+    other = _trainer(run, SAMPLES, **options)
+    _, warnings = _warnings_of(lambda: other.train(resume_from_checkpoint=True))
+    changed = [w for w in warnings if "another training dataset" in w]
+    assert len(changed) == 1, warnings
+    saved = json.loads((run / "checkpoint-2" / "odc_checkpoint.json").read_text())["dataset"]["lengths_sha256"]
+    ours = other.odc_dataset["lengths_sha256"]
+    assert ours != saved and len(ours) == 16
+    assert (f"the checkpoint's had 16 samples (token-count fingerprint {saved}), this run's has 16 samples "
+            f"(token-count fingerprint {ours})") in changed[0], changed[0]  # fmt: skip
+
+
+def _resume_error(run, **options):
+    """Resume ``run``'s last checkpoint with a fresh trainer; the CheckpointPartMissing it raises (and the step)."""
+    from odc_hf.integrations.checkpoint import CheckpointPartMissing
+
+    trainer = _trainer(run, SAMPLES)
+    with pytest.raises(CheckpointPartMissing) as caught:
+        trainer.train(resume_from_checkpoint=True)  # the marker is there: the save itself had finished
+    assert trainer.state.global_step == 0  # nothing was loaded or trained
+    return str(caught.value)
+
+
+def _shard(checkpoint) -> list:
+    """Rewrite the checkpoint's model as transformers writes a large one: several safetensors shards and an index.
+    Returns the shard names."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    (checkpoint / "model.safetensors").unlink()
+    model.save_pretrained(checkpoint, max_shard_size="400KB")
+    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2, shards
+    return shards
+
+
+def test_a_sharded_model_resumes_and_its_damaged_index_or_missing_shard_is_named(saved_run, tmp_path, monkeypatch):
+    from transformers.trainer import load_sharded_checkpoint  # what the Trainer loads a sharded model with
+
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
+
+    out, _ = saved_run
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    intact = shutil.copytree(out, tmp_path / "intact")
+    shards = _shard(intact / "checkpoint-2")
+    trainer = _trainer(intact, SAMPLES)
+    trainer.train(resume_from_checkpoint=True)  # the intact sharded model loads (nothing left to train)
+    assert trainer.state.global_step == 2
+
+    def library_fails(checkpoint) -> str:  # transformers' own loader on the damaged files
+        with pytest.raises(Exception) as caught:  # noqa: PT011 - whatever the library raises
+            load_sharded_checkpoint(tiny_qwen2_model(default_tokenizer()), str(checkpoint))
+        return type(caught.value).__name__
+
+    missing = shutil.copytree(intact, tmp_path / "missing")
+    (missing / "checkpoint-2" / shards[-1]).unlink()
+    library_fails(missing / "checkpoint-2")
+    message = _resume_error(missing)
+    assert (f"checkpoint {missing / 'checkpoint-2'} cannot be resumed: {shards[-1]} (a shard of the model weights, "
+            "listed in model.safetensors.index.json) is missing") in message, message  # fmt: skip
+    assert f"resume from the earlier checkpoint {missing / 'checkpoint-1'}" in message, message
+
+    unreadable = shutil.copytree(intact, tmp_path / "unreadable")
+    index = unreadable / "checkpoint-2" / "model.safetensors.index.json"
+    index.write_text(index.read_text()[: len(index.read_text()) // 2])  # a copy that did not finish
+    library_fails(unreadable / "checkpoint-2")
+    message = _resume_error(unreadable)
+    assert (f"checkpoint {unreadable / 'checkpoint-2'} cannot be resumed: model.safetensors.index.json (the index of "
+            "the model's shards) cannot be read") in message, message  # fmt: skip
+
+
+def test_accelerates_sharded_model_folder_without_metadata_or_with_a_short_shard_is_named(tmp_path):
+    """accelerate's FSDP checkpoints keep the model in ``pytorch_model_fsdp_0/`` (torch.distributed.checkpoint: shard
+    files and a ``.metadata`` written last). Written here with DCP itself; DCP's own load is the reference."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from odc_hf.integrations.checkpoint import CheckpointPartMissing, check_model_files
+
+    state = {"model.embed_tokens.weight": torch.randn(512, 64), "model.norm.weight": torch.ones(64)}
+
+    def write(name):
+        checkpoint = tmp_path / name
+        dcp.save(state, checkpoint_id=str(checkpoint / "pytorch_model_fsdp_0"))
+        return checkpoint
+
+    def dcp_loads(checkpoint) -> bool:
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        try:
+            dcp.load(target, checkpoint_id=str(checkpoint / "pytorch_model_fsdp_0"))
+        except (Exception, dcp.CheckpointException):  # noqa: BLE001 - DCP's own error (a BaseException)
+            return False
+        return all(torch.equal(target[k], v) for k, v in state.items())
+
+    intact = write("intact")
+    check_model_files(str(intact), earlier=None)
+    assert dcp_loads(intact)
+    shard = next(p for p in (intact / "pytorch_model_fsdp_0").iterdir() if p.suffix == ".distcp")
+
+    no_metadata = write("no_metadata")
+    (no_metadata / "pytorch_model_fsdp_0" / ".metadata").unlink()
+    assert not dcp_loads(no_metadata)
+    with pytest.raises(CheckpointPartMissing, match=r"pytorch_model_fsdp_0/\.metadata \(the model weights, sharded\) "
+                       r"is missing"):  # fmt: skip
+        check_model_files(str(no_metadata), earlier=str(intact))
+
+    short = write("short")
+    path = short / "pytorch_model_fsdp_0" / shard.name
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert not dcp_loads(short)
+    with pytest.raises(CheckpointPartMissing, match=rf"pytorch_model_fsdp_0/{shard.name} \(a rank's shard of the "
+                       r"model weights\) is missing or cut short"):  # fmt: skip
+        check_model_files(str(short), earlier=str(intact))
 
 
 def test_a_model_file_cut_short_is_named_with_the_checkpoint_to_use(saved_run, tmp_path, monkeypatch):

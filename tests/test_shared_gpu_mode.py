@@ -83,29 +83,63 @@ def test_an_nccl_group_in_the_mode_is_refused_saying_what_to_set(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     with pytest.raises(RuntimeError, match="NCCL refuses two ranks on one GPU.*ddp_backend='gloo'"):
-        shared_gpu.check_backend()
+        shared_gpu.check_backend({})
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    shared_gpu.check_backend()
+    shared_gpu.check_backend({})
 
 
-def test_odc_training_arguments_choose_gloo_in_the_mode(monkeypatch):
-    import dataclasses
+def test_a_local_rank_that_names_no_gpu_is_refused_saying_what_to_do(monkeypatch):
+    """A launch whose LOCAL_RANK was not localised (arguments that started torch.distributed before odc_hf could set
+    it): on a one-GPU machine rank 1's LOCAL_RANK=1 names cuda:1, which accelerate's barrier would ask for."""
+    import torch.distributed as dist
 
-    from odc_hf import ODCSFTConfig
-    from odc_hf.integrations.arguments import ODCArguments, make_odc_arguments
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    with pytest.raises(RuntimeError, match=r"2 ranks share cuda:0: .*, but LOCAL_RANK=1 names no GPU: accelerate's "
+                       r"barrier would ask for cuda:1 .*init_process_group\(\) first"):  # fmt: skip
+        shared_gpu.check_backend({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    shared_gpu.check_backend({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"})  # localised: cuda:0 exists
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # a GPU per rank: not the mode, nothing to refuse
+    shared_gpu.check_backend({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"})
 
-    @dataclasses.dataclass
-    class Arguments:  # stands in for TrainingArguments (whose __post_init__ would start torch.distributed)
-        ddp_backend: str | None = None
 
-    assert issubclass(ODCSFTConfig, ODCArguments)  # where the choice is made for odc_hf's TRL configs too
-    cls = make_odc_arguments(Arguments)
-    monkeypatch.setattr(shared_gpu, "active", lambda environ=None, gpus=None: True)
-    assert cls().ddp_backend == "gloo"
-    with pytest.raises(ValueError, match="cannot run here"):
-        cls(ddp_backend="nccl")
-    monkeypatch.setattr(shared_gpu, "active", lambda environ=None, gpus=None: False)
-    assert cls().ddp_backend is None and cls(ddp_backend="nccl").ddp_backend == "nccl"
+def _configs_in_the_mode(rank, world_size, out):
+    """odc_hf's own TRL configs built for real (TrainingArguments' __post_init__ and accelerate's state run, on the
+    ranks' gloo group) with the mode on, then off."""
+    import odc_hf
+
+    real = shared_gpu.active
+    result = {}
+    try:
+        shared_gpu.active = lambda environ=None, gpus=None: True
+        for name in ("ODCSFTConfig", "ODCGRPOConfig"):
+            cls = getattr(odc_hf, name)
+            args = cls(output_dir=f"{out}/{name}", use_cpu=True, report_to="none")
+            result[name] = {"backend": args.ddp_backend, "state": str(args.distributed_state.backend),
+                            "processes": args.distributed_state.num_processes}  # fmt: skip
+            try:
+                cls(output_dir=f"{out}/{name}", use_cpu=True, report_to="none", ddp_backend="nccl")
+                result[name]["nccl"] = "accepted"
+            except ValueError as err:
+                result[name]["nccl"] = str(err)
+        shared_gpu.active = lambda environ=None, gpus=None: False
+        result["off"] = odc_hf.ODCSFTConfig(output_dir=f"{out}/off", use_cpu=True, report_to="none").ddp_backend
+    finally:
+        shared_gpu.active = real
+    return result
+
+
+def test_odc_training_arguments_choose_gloo_in_the_mode(tmp_path):
+    # (before: a toy dataclass stood in for TrainingArguments, whose __post_init__ starts accelerate's distributed
+    # state; here the real configs, on ranks whose gloo group exists, as in a shared-GPU launch)
+    for result in run_ranks(_configs_in_the_mode, 2, str(tmp_path)):
+        for name in ("ODCSFTConfig", "ODCGRPOConfig"):
+            got = result[name]
+            assert (got["backend"], got["state"], got["processes"]) == ("gloo", "gloo", 2), (name, got)
+            assert "ddp_backend='nccl' cannot run here" in got["nccl"], (name, got)
+        assert result["off"] is None  # outside the mode the user's value (unset) stands
 
 
 def _clip_ranks(rank, world_size):
@@ -140,8 +174,10 @@ def _clip_ranks(rank, world_size):
     return results, only_norm
 
 
-def test_odc_clipping_equals_torchs_dtensor_clipping():
-    per_rank = run_ranks(_clip_ranks, 2)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_odc_clipping_equals_torchs_dtensor_clipping(world_size):
+    # world 3: every dimension of the tiny model (256, 128, 64, 32) splits into uneven dim-0 chunks
+    per_rank = run_ranks(_clip_ranks, world_size)
     for results, only_norm in per_rank:
         for norm_type, (ours, theirs, scaled) in results.items():
             # fp64 partial sums here, fp32 in torch's (|g|^3.5 in fp32 measured 1.1e-6 off): 1e-5 relative; the
@@ -152,24 +188,33 @@ def test_odc_clipping_equals_torchs_dtensor_clipping():
             assert ours > 0.5  # the gradients were really clipped
         assert only_norm == pytest.approx(0.5, rel=1e-5)  # after the last clip to 0.5 (inf norm): no scaling
     norms = [{k: v[0] for k, v in results.items()} for results, _ in per_rank]
-    assert norms[0] == norms[1]  # every rank the same norm (the barrier's rank-order sum)
+    assert all(n == norms[0] for n in norms)  # every rank the same norm (the barrier's rank-order sum)
 
 
 def _full_state_dict_ranks(rank, world_size):
     from fsdp_helpers import tiny_qwen2
+    from torch.distributed.tensor import DTensor
 
     from odc_hf.fsdp import shard_model
     from odc_hf.fsdp.state_dict import full_state_dict
 
     model = tiny_qwen2(tie=False)
     shard_model(model)
-    return full_state_dict(model, rank0_only=True)
+    local_rows = {n: p.to_local().shape[0] for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    return full_state_dict(model, rank0_only=True), local_rows
 
 
-def test_full_state_dict_through_cpu_equals_the_unsharded_model():
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_full_state_dict_through_cpu_equals_the_unsharded_model(world_size):
+    """Reference: the unsharded model's own state dict. At world 3 the dim-0 chunks are uneven (256 rows: 86, 86, 84;
+    64: 22, 22, 20): the gather must place each rank's rows by the global shape (a gather that assumed equal chunks
+    would build 258 or 252 rows, or misplace the last rank's)."""
     from fsdp_helpers import tiny_qwen2
 
-    main, other = run_ranks(_full_state_dict_ranks, 2)
+    per_rank = run_ranks(_full_state_dict_ranks, world_size)
+    (main, _), others = per_rank[0], per_rank[1:]
     want = tiny_qwen2(tie=False).state_dict()
-    assert other == {} and main.keys() == want.keys()
+    assert all(state == {} for state, _ in others) and main.keys() == want.keys()
     assert all(torch.equal(main[k], v) for k, v in want.items())
+    rows = [local["model.embed_tokens.weight"] for _, local in per_rank]
+    assert sum(rows) == 256 and (len(set(rows)) > 1) == (world_size == 3), rows  # uneven chunks at world 3

@@ -93,7 +93,9 @@ def unbatch(batch: dict, weights: torch.Tensor) -> list[dict]:
         for key in _PER_TOKEN:
             value = batch.get(key)
             if value is not None:
-                sample[key] = value[i, :c].cpu() if value.size(1) == width else value[i].cpu()
+                # a per-sequence value ((B, 1): the sequence-level importance ratio) becomes a 0-d tensor, so that
+                # collate never mistakes it for the token values of a one-token completion
+                sample[key] = value[i, :c].cpu() if value.size(1) == width else value[i].reshape(()).cpu()
         samples.append(sample)
     return samples
 
@@ -150,7 +152,7 @@ def collate(samples: list[dict], pad_token_id: int, device, *, pad_to_multiple_o
     for key in _PER_TOKEN:
         if key in samples[0]:
             first = samples[0][key]
-            if key == "importance_sampling_ratio" and first.numel() == 1:  # sequence-level ratio: (B, 1)
+            if key == "importance_sampling_ratio" and first.dim() == 0:  # sequence-level ratio: (B, 1)
                 batch[key] = torch.stack([s[key].reshape(1) for s in samples])
             else:
                 batch[key] = stack(key, _RIGHT_PAD.get(key, 0) if key != "completion_ids" else pad_token_id, "right")
