@@ -108,7 +108,8 @@ def main() -> int:
     print("| package | pinned (tests/constraints.txt) | newest on the index | installed in this lane |")
     print("|---|---|---|---|")
     for package, (pinned, latest, lane) in rows.items():
-        print(f"| {package} | {pinned} | {latest} | {lane}{' (newer than the lock)' if lane not in (pinned, '-') and lane[:1].isdigit() else ''} |")
+        newer = lane[:1].isdigit() and pinned != "-" and lane.split("+")[0] != pinned.split("+")[0]
+        print(f"| {package} | {pinned} | {latest} | {lane}{' (not the locked version)' if newer else ''} |")
     print("| **test group** | | | **result** |")
     for group, files in GROUPS.items():
         print(f"| {group} | {len(files)} files | | {results.get(group, 'not run') if not problems else 'not run'} |")

@@ -22,6 +22,7 @@ split -b 56000000 "$work/vllm.tar.xz" "$work/part_"  # three parts: 56 MB, 56 MB
 mv "$work/part_aa" .vllm1/ && mv "$work/part_ab" .vllm2/ && mv "$work"/part_a[c-z] .vllm3/
 # vLLM's dependencies missing on the GPU image (seen working there with --no-deps, 2026-12-03)
 pip_dl .vllmdeps annotated-types apache-tvm-ffi cachetools cbor2 "fastapi<0.137" httpcore2 httpx2 jiter \
-  "llguidance>=1.7,<1.8" msgspec "openai>=2" openai-harmony opentelemetry-api partial-json-parser pybase64 pydantic \
+  "llguidance>=1.7,<1.8" msgspec "openai>=2" openai-harmony opentelemetry-api partial-json-parser pybase64 "pydantic==2.14.4" \
+  "pydantic-core==2.50.5" \
   pyzmq sniffio "starlette>=1.0.1" truststore typing-inspection typing-extensions "xgrammar<1"
 du -sh .vllm1 .vllm2 .vllmdeps
