@@ -30,9 +30,17 @@ HANDLED = ("scaling", "dropout", "is_causal", "sliding_window", "softcap", "s_au
 """Attention arguments applied per document."""
 VARLEN_ARGUMENTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 """The packed row's document boundaries (read by the caller)."""
-IGNORED = ("position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position",
-           "past_key_values", "past_key_value", "token_type_ids", "layer_idx")  # fmt: skip
-"""Arguments that flow down from the model's forward and change nothing in attention over given q / k / v."""
+try:  # what every model's forward passes down through ``**kwargs`` (loss, outputs, varlen boundaries): not attention's
+    from transformers.utils.generic import TransformersKwargs
+
+    _FLOW_THROUGH = tuple(TransformersKwargs.__annotations__)
+except ImportError:  # pragma: no cover - a transformers without it: the names of 5.17-5.25
+    _FLOW_THROUGH = ("num_items_in_batch", "output_hidden_states", "output_attentions", "output_router_logits")
+IGNORED = tuple(dict.fromkeys(("position_ids", "use_cache", "output_router_logits", "output_attentions",
+                               "cache_position", "past_key_values", "past_key_value", "token_type_ids", "layer_idx",
+                               *(k for k in _FLOW_THROUGH if k not in HANDLED))))  # fmt: skip
+"""Arguments that flow down from the model's forward (transformers' ``TransformersKwargs``: the loss's
+``num_items_in_batch``, output switches, the varlen boundaries) and change nothing in attention over given q / k / v."""
 BLOCK = 512
 """Queries per block when a document is longer than its window (keys per block: the block plus the window)."""
 
