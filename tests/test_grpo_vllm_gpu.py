@@ -60,6 +60,12 @@ NOT_COMPARED = ("step", "epoch", "learning_rate", "step_time")
 # 056618d: step 1 bit-equal (loss and gradient norm). Bound 1e-5, as the one-GPU GRPO test (test_gpu_one_device).
 # Gradient norms 1e-4 (step 2 measured 5.1e-5 apart).
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
+# GRPO's on-policy loss is a mean of advantage x ratio terms whose advantages are standardised (size ~1) and sum to
+# zero per prompt: on a step whose completions all end alike it is zero up to the rounding of those O(1) terms, an
+# absolute amount (measured on the H200 at step 2 without importance sampling: -1.0e-8 vs 0.0, gradient norms equal to
+# 1e-7). Losses are compared to 1e-5 relative or 1e-6 absolute (10x that rounding, 100x below the 8e-5 that the
+# engines' weights moved step 2 by with importance sampling on); gradient norms carry the comparison there.
+LOSS_ATOL = 1e-6
 
 
 def _env() -> dict:
@@ -150,7 +156,7 @@ def _compared_steps(odc: dict, trl: dict) -> list[int]:
 
 
 def _assert_equal_step(a: dict, b: dict, step: int) -> None:
-    assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL, abs=0.0), (step, a, b)
+    assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL, abs=LOSS_ATOL), (step, a, b)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=GRAD_NORM_RTOL), (step, a, b)
     assert a["reward"] == b["reward"]
 

@@ -4,7 +4,8 @@ TRL's SFTTrainer on the same microbatches (tests/zoo_runs.py), one process each.
     python -m pytest -m gpu -rP tests/test_model_zoo_gpu.py      # -rP prints the measured differences
 
 - fp32 on odc_hf's per-document attention (``sdpa_varlen``; ``eager_varlen`` for GPT-OSS, which transformers runs on
-  its eager attention only) against TRL's padded rows: exact, bound 1e-5 as on the CPU;
+  its eager attention only) against TRL's padded rows: exact, bound 1e-5 as on the CPU, or TRL's own spread across
+  row shapes where that is larger (a router's top-k choice; see the test);
 - bf16 (autocast) on ``sdpa_varlen`` / ``eager_varlen`` and on FlashAttention-4 (when installed), against TRL in bf16:
   within the tier's bf16 bound (2e-2 relative on losses and gradient norms, as tests/test_gpu_one_device.py), and
   closer to TRL than TRL's own run with the family's variants switched off is (the negative control: a run that
@@ -42,16 +43,25 @@ def trl(tmp_path_factory) -> dict[tuple[str, str], list[dict]]:
             runs[name, precision] = zoo_runs.trl_run(name, out / f"{name}_{precision}", setting=GPU,
                                                      bf16=precision == "bf16")  # fmt: skip
         runs[name, "off"] = zoo_runs.trl_run(name, out / f"{name}_off", off="all", setting=GPU, bf16=True)
+        runs[name, "fp32 wider rows"] = zoo_runs.trl_run(name, out / f"{name}_wide", setting=GPU, pad_to_multiple_of=64)
     return runs
 
 
+# fp32 on the GPU: the runs multiply the same numbers in matrices of other shapes (ODC's packed rows, TRL's padded
+# ones), which cuBLAS tiles and sums differently. For a dense family that is rounding (measured 2.4e-7 / 2.9e-7 on the
+# H200); a Mixture-of-Experts router picks each token's top-k experts, and a token whose two router logits lie within
+# that rounding of each other can take the other expert, a jump its loss carries (Qwen3-MoE, 8 experts: ODC vs TRL
+# 1.1e-3). TRL's own run with rows padded to a multiple of 64 (other shapes, the same math) measures that floor on
+# the same GPU: the bound is 1e-5 or twice TRL's own spread, whichever is larger.
 @pytest.mark.parametrize("name", NAMES)
-def test_fp32_on_the_gpu_is_exact(name, trl, tmp_path):
+def test_fp32_on_the_gpu_is_exact_up_to_trls_own_spread(name, trl, tmp_path):
     run = zoo_runs.odc_run([name], str(tmp_path), 1, setting="gpu")[name]
     assert run["attention"]["implementation"] in ("sdpa_varlen", "eager_varlen")
     difference = largest_difference(run["history"], trl[name, "fp32"])
-    print(f"{name} fp32 {run['attention']['implementation']} vs TRL: {difference:.1e}")
-    assert difference <= FP32_RTOL, (run["history"], trl[name, "fp32"])
+    spread = largest_difference(trl[name, "fp32 wider rows"], trl[name, "fp32"])
+    print(f"{name} fp32 {run['attention']['implementation']} vs TRL: {difference:.1e}; TRL padded to 64 vs TRL: "
+          f"{spread:.1e}")  # fmt: skip
+    assert difference <= max(FP32_RTOL, 2 * spread), (run["history"], trl[name, "fp32"])
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
