@@ -38,13 +38,14 @@ PLAIN = ("qwen3_moe",)  # ODCTrainer (transformers' Trainer) with the model's ow
 
 @pytest.fixture(scope="module")
 def cpu_env():
-    before = os.environ.get("ACCELERATE_USE_CPU")
+    """ACCELERATE_USE_CPU for this module's in-process trainers, and the whole environment put back after them:
+    their Accelerators set ACCELERATE_USE_FSDP and others, which later modules' launches would inherit (conftest's
+    per-test guard snapshots the environment after module fixtures ran)."""
+    before = dict(os.environ)
     os.environ["ACCELERATE_USE_CPU"] = "true"
     yield
-    if before is None:
-        os.environ.pop("ACCELERATE_USE_CPU", None)
-    else:
-        os.environ["ACCELERATE_USE_CPU"] = before
+    os.environ.clear()
+    os.environ.update(before)
 
 
 @pytest.fixture(scope="module")

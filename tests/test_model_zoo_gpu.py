@@ -14,6 +14,8 @@ TRL's SFTTrainer on the same microbatches (tests/zoo_runs.py), one process each.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import zoo_runs
@@ -32,6 +34,16 @@ def _fa4_installed() -> bool:
 
 ATTENTION = ["sdpa_varlen", pytest.param("flash_attention_4", marks=pytest.mark.skipif(
     not _fa4_installed(), reason="FlashAttention-4 is not installed"))]  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def environment_kept():
+    """The in-process trainers' Accelerators set ACCELERATE_USE_FSDP and others: put the environment back after the
+    module, so later modules' launches do not inherit them."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
 
 
 @pytest.fixture(scope="module")
