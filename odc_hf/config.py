@@ -107,7 +107,9 @@ class ODCConfig:
         "Liger's Triton kernels (RMSNorm, SwiGLU, RoPE; `ODCTrainer` also its fused linear cross-entropy), applied "
         "before sharding. `auto`: when `liger-kernel` is installed (`pip install \"odc_hf[kernels]\"`) and "
         "training runs on CUDA; `liger`: required, a clear error otherwise (`use_liger_kernel=True` in the "
-        "training arguments means the same); `none`: off.")})  # fmt: skip
+        "training arguments means the same); `none`: off. In fp32 training `auto` keeps a Mixture-of-Experts "
+        "model's float32 experts off Liger's fused MoE kernel (its products run on TF32) and applies the rest; "
+        "asked for by name, Liger applies whole, with a warning (docs/performance.md).")})  # fmt: skip
     attention: str = field(default="auto", metadata={"help": (
         "The attention the ODC trainers give the model (and GRPO's reference model), through transformers' "
         "`set_attn_implementation` (docs/attention.md). `auto`: transformers' `flash_attention_4` (FlashAttention-4 "

@@ -310,3 +310,55 @@ def test_calibration_copies_of_a_peft_model_keep_its_adapter(peft, tied):
     ids = torch.randint(0, 64, (1, 16))
     small(input_ids=ids, labels=ids, fused_lm_head=True).loss.backward()  # the forward calibrate_memory times
     assert all(p.grad is not None for p in small.parameters() if p.requires_grad)
+
+
+def _tiny_moe(dtype=torch.float32):
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=16, num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+
+
+def test_float32_experts_stay_off_ligers_tf32_moe_kernel_unless_asked(caplog):
+    """Liger's fused MoE kernel multiplies float32 on TF32: ``kernels="auto"`` keeps float32 experts on the model's
+    own implementation (``swiglu: False``, the rest of Liger kept); asked for by name it applies, with a warning;
+    bf16 experts, mixed precision and dense models are left as they are."""
+    moe, dense = _tiny_moe(), tiny_qwen2()
+    assert compute_path.fp32_experts(moe, "no") and compute_path.fp32_experts(moe, None)
+    assert not compute_path.fp32_experts(moe, "bf16") and not compute_path.fp32_experts(_tiny_moe(torch.bfloat16), "no")
+    assert not compute_path.fp32_experts(dense, "no")
+
+    def config(model, requested=None, explicit=False, mixed_precision="no"):
+        return compute_path.liger_kernel_config(model, requested, explicit=explicit, mixed_precision=mixed_precision)
+
+    with caplog.at_level("INFO", logger=compute_path.logger.name):
+        assert config(moe) == {"swiglu": False}
+        assert config(moe, {"rms_norm": False}) == {"rms_norm": False, "swiglu": False}  # the user's keys kept
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        assert config(moe, explicit=True) == {}  # use_liger_kernel=True / kernels="liger": as asked, warned
+        assert config(moe, {"swiglu": True}) == {"swiglu": True}
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and all("TF32" in w and "'swiglu': False" in w for w in warnings), warnings
+    assert config(moe, {"swiglu": False}, explicit=True) == {"swiglu": False}
+    assert config(moe, mixed_precision="bf16") == {} and config(dense) == {} and config(dense, {"rope": False}) == {"rope": False}
+
+
+def test_the_trainer_applies_liger_with_the_float32_experts_config(tmp_path, monkeypatch):
+    """The wiring (Liger itself needs CUDA): where Liger applies, the trainer applies it with that config and keeps it
+    on the compute path (the memory calibration's small copy takes the same)."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from odc_hf.integrations.trainer import ODCTrainer
+
+    applied = []
+    monkeypatch.setattr(compute_path, "resolve_kernels", lambda *args: "liger")
+    monkeypatch.setattr(compute_path, "liger_supports", lambda model: True)
+    monkeypatch.setattr(compute_path, "apply_liger_kernels", lambda model, **kw: applied.append(kw))
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    data = Dataset.from_dict({"input_ids": [microbatch(0, i)[0].tolist() for i in range(4)]})
+    trainer = ODCTrainer(model=_tiny_moe(), args=args, train_dataset=data, odc_config=ODCConfig(max_tokens_per_microbatch=64))
+    assert applied == [{"fused_linear_cross_entropy": True, "kernel_config": {"swiglu": False}}]
+    assert trainer.odc_compute.kernel_config == {"swiglu": False}

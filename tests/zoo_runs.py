@@ -262,9 +262,10 @@ def trl_run(name: str, out, off: str | None = None, setting: Setting = CPU, **ch
 
 
 def odc_run(names: list[str], out: str, world: int, setting: str = "cpu", bf16: bool = False,
-            attention: str = "auto") -> dict[str, dict]:  # fmt: skip
+            attention: str = "auto", kernels: str = "auto") -> dict[str, dict]:  # fmt: skip
     """``ODCSFTTrainer`` on every family of ``names`` in turn, on this rank (``world`` ranks): each family's history,
-    microbatch counts and attention. ``setting``: a name of :data:`SETTINGS` (ranks get it by name)."""
+    microbatch counts, attention and compute path (with the Liger kernel config it applied). ``setting``: a name of
+    :data:`SETTINGS` (ranks get it by name)."""
     from odc_hf import ODCConfig, ODCSFTTrainer
     from odc_hf.testing.data import default_tokenizer
 
@@ -272,17 +273,24 @@ def odc_run(names: list[str], out: str, world: int, setting: str = "cpu", bf16: 
     trainer_cls = type("ZooODCSFTTrainer", (ODCSFTTrainer,), {"odc_sampler_class": forced_sampler(world)})
     results = {}
     for name in names:
-        config = ODCConfig(max_tokens_per_microbatch=setting.budget, timeout_s=120, attention=attention)
+        config = ODCConfig(max_tokens_per_microbatch=setting.budget, timeout_s=120, attention=attention,
+                           kernels=kernels)  # fmt: skip
         trainer = trainer_cls(model=build(name, tokenizer, setting=setting),
                               args=sft_args(f"{out}/{name}", world, setting, bf16=bf16),
                               train_dataset=dataset(tokenizer, setting), processing_class=tokenizer,
                               odc_config=config)  # fmt: skip
         trainer.train()
         results[name] = {"history": history(trainer), "attention": trainer.odc_attention,
-                         "microbatches": [list(s.microbatches) for s in trainer.odc_stats.steps]}  # fmt: skip
+                         "microbatches": [list(s.microbatches) for s in trainer.odc_stats.steps],
+                         "compute": compute_of(trainer)}  # fmt: skip
         if trainer.odc is not None:
             trainer.odc.close()
     return results
+
+
+def compute_of(trainer) -> dict | None:
+    path = trainer.odc_compute
+    return None if path is None else dict(path.describe(), kernel_config=path.kernel_config)
 
 
 def odc_rank(rank: int, world: int, names: list[str], out: str, plain: tuple[str, ...] = ()) -> dict[str, dict]:

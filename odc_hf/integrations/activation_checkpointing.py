@@ -264,6 +264,6 @@ def plan(trainer, max_tokens_per_microbatch: int) -> None:
                            device=accelerator.device, compute_dtype=dtype, world_size=accelerator.num_processes,
                            odc=trainer.odc_config.enabled and accelerator.num_processes > 1,
                            device_memory_gib=trainer.odc_config.device_memory_gib,
-                           kernel_config=getattr(trainer.args, "liger_kernel_config", None))  # fmt: skip
+                           kernel_config=path.kernel_config)  # fmt: skip
     if accelerator.is_main_process:
         logger.info("odc_hf: microbatch compute path %s", path.describe())

@@ -52,6 +52,7 @@ class ComputePath:
     predicted_peak_bytes: float | None = None
     device_bytes: float | None = None
     memory_model: dict | None = None
+    kernel_config: dict | None = None  # what Liger was applied with (liger_kernel_config; fp32 experts kept)
 
     def describe(self) -> dict:
         ac = self.checkpointing
@@ -106,6 +107,47 @@ def liger_supports(model) -> bool:
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     return getattr(getattr(model, "config", None), "model_type", None) in MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
+def fp32_experts(model, mixed_precision: str) -> bool:
+    """Whether ``model`` has Mixture-of-Experts expert weights that compute in float32: transformers' fused experts
+    (a 3-D ``gate_up_proj``) in float32, with no mixed precision to cast them."""
+    if mixed_precision not in (None, "no"):
+        return False
+    return any(
+        isinstance(p, torch.nn.Parameter) and p.dim() == 3 and p.dtype == torch.float32
+        for m in model.modules()
+        for name, p in m.named_parameters(recurse=False)
+        if name == "gate_up_proj"
+    )
+
+
+def liger_kernel_config(model, requested: dict | None, *, explicit: bool, mixed_precision: str,
+                        log: bool = True) -> dict:  # fmt: skip
+    """The Liger kernel config to apply: the user's ``liger_kernel_config``, and float32 experts kept on the model's
+    own implementation under ``kernels="auto"``.
+
+    Liger's SwiGLU patch replaces a Mixture-of-Experts family's experts (transformers v5: Qwen3-MoE, Mixtral,
+    DeepSeek, ...) with its fused MoE kernel, whose Triton matrix products take float32 inputs on TF32 (Triton's
+    default precision: a 10-bit mantissa). In an fp32 run that is a precision the user did not choose (on one H200,
+    Qwen3-MoE's router loss then drifted 1.1e-3 from TRL's within 3 steps), so ``auto`` leaves the experts alone
+    there (``swiglu: False``; RMSNorm and RoPE stay on Liger). Asked for by name (``use_liger_kernel=True``,
+    ``kernels="liger"`` or a ``swiglu`` entry of ``liger_kernel_config``), Liger is applied as asked, with a warning.
+    Under mixed precision the model's own experts multiply in bf16/fp16 (autocast, or FSDP's parameter cast), less
+    precisely than TF32: Liger applies as asked."""
+    config = dict(requested or {})
+    if not fp32_experts(model, mixed_precision) or config.get("swiglu") is False:
+        return config
+    if explicit or "swiglu" in config:
+        if log:
+            logger.warning("odc_hf: Liger's fused MoE kernel runs this model's float32 experts on TF32 (Triton's "
+                           "default for float32 products); training then differs from the model's own float32 experts by "
+                           "~1e-3. liger_kernel_config={'swiglu': False} keeps them exact")  # fmt: skip
+        return config
+    if log:
+        logger.info("odc_hf: float32 experts stay on the model's own implementation (Liger's fused MoE kernel "
+                    "would run them on TF32); Liger's other kernels apply")  # fmt: skip
+    return {**config, "swiglu": False}
 
 
 LIGER_ROPE_CHOICE_ENVS = ("LIGER_KERNEL_IMPL_ROPE", "LIGER_KERNEL_BACKEND_ROPE", "LIGER_KERNEL_IMPL", "LIGER_KERNEL_BACKEND")
@@ -276,8 +318,12 @@ def setup(trainer) -> ComputePath:
     elif install_fused_head(model):
         path.loss, path.fused_by_odc = TRL_FUSED_HEAD, True
     if kernels == "liger":
+        path.kernel_config = liger_kernel_config(model, getattr(args, "liger_kernel_config", None),
+                                                 explicit=use_liger or config.kernels == "liger",
+                                                 mixed_precision=trainer.accelerator.mixed_precision,
+                                                 log=trainer.accelerator.is_main_process)  # fmt: skip
         apply_liger_kernels(model, fused_linear_cross_entropy=path.loss == LIGER_FLCE,
-                            kernel_config=getattr(args, "liger_kernel_config", None))  # fmt: skip
+                            kernel_config=path.kernel_config)  # fmt: skip
         args.use_liger_kernel = False  # applied here, before sharding: the Trainer must not apply them again
     if path.loss != FULL_LOGITS and config.enabled and trainer.accelerator.num_processes > 1:
         guard_sharded_head(model)
