@@ -15,6 +15,7 @@
 #   recipe  TRL's GRPO recipe with vLLM on ranks sharing the GPU (tests/test_gpu_shared_entry_points.py -k grpo_recipe)
 #   tier1   transport, FSDP adapter, HSDP, LoRA and test_gpu_shared.py's non-trainer tests
 #   tier2   test_gpu_shared.py's trainers, the recipe, elastic resume, README command 1
+#   readme  README command 1 alone (test_gpu_shared.py -k readme)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OUT=${OUT:-/tmp/out}
@@ -49,7 +50,8 @@ for group in "$@"; do
   case $group in
     install) install || exit 1; PYTHONPATH=$PYTHONPATH:$FA4_PATH python3 -c "import vllm, transformers.utils as u; \
 print('vllm', vllm.__version__, 'fa4', u.is_flash_attn_4_available())" ;;
-    zoo) PYTHONPATH=$PYTHONPATH:$FA4_PATH run gpu_zoo.log 420 tests/test_model_zoo_gpu.py ;;
+    zoo) PYTHONPATH=$PYTHONPATH:$FA4_PATH run gpu_zoo.log 560 tests/test_model_zoo_gpu.py ;;
+    readme) run gpu_readme_cmd1.log 300 tests/test_gpu_shared.py -k readme ;;
     shm) run gpu_shm_entry_points.log 480 tests/test_gpu_shm_files.py tests/test_gpu_shared_entry_points.py \
       -k "not grpo_recipe" ;;
     vllm) run gpu_vllm.log 540 tests/test_grpo_vllm_gpu.py ;;
