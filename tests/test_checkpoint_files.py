@@ -80,3 +80,38 @@ def _assert_same_contents(trl: Path, odc: Path) -> None:
     for run in (trl, odc):
         args = torch.load(run / "training_args.bin", weights_only=False)
         assert (args.max_steps, args.save_steps, Path(args.output_dir)) == (2, 2, run), args
+
+
+def test_a_final_save_under_sharded_state_dicts_writes_the_whole_model(tmp_path, monkeypatch):
+    """Under accelerate's FSDP with SHARDED_STATE_DICT (accelerate_configs/odc.yaml) ``Trainer.save_model`` writes
+    no weights (its checkpoints save the shards); the ODC trainers' ``save_model`` called by the user (a TRL script's
+    last line) writes the whole model from the gathered state dict, tied weights as transformers writes them. The
+    gather stands in here as copies of one process's tensors (the GPU recipe test runs the real one)."""
+    import torch
+    from datasets import Dataset
+    from safetensors.torch import load_file
+    from transformers import TrainingArguments
+    from types import SimpleNamespace
+
+    from odc_hf import ODCConfig, ODCTrainer
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
+
+    tokenizer = default_tokenizer()
+    model = tiny_qwen2_model(tokenizer)
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", use_cpu=True, max_steps=1)
+    data = Dataset.from_dict({"input_ids": [[1, 2, 3]] * 4})
+    trainer = ODCTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                         odc_config=ODCConfig(max_tokens_per_microbatch=64))  # fmt: skip
+    monkeypatch.setattr(trainer, "is_fsdp_enabled", True, raising=False)
+    monkeypatch.setattr(trainer.accelerator.state, "fsdp_plugin",
+                        SimpleNamespace(state_dict_type="StateDictType.SHARDED_STATE_DICT"), raising=False)  # fmt: skip
+    gathered = {k: v.detach().clone() for k, v in model.state_dict().items()}  # two copies of a tied weight
+    monkeypatch.setattr(trainer.accelerator, "get_state_dict", lambda m, unwrap=True: dict(gathered))
+    trainer.save_model(str(tmp_path / "checkpointish"), _internal_call=True)  # the Trainer's own checkpoint call
+    assert not list((tmp_path / "checkpointish").glob("*.safetensors"))  # transformers: nothing for the shards
+    trainer.save_model(str(tmp_path / "final"))
+    saved = load_file(tmp_path / "final" / "model.safetensors")
+    model.save_pretrained(tmp_path / "reference")
+    want = load_file(tmp_path / "reference" / "model.safetensors")
+    assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)
+    assert {"tokenizer_config.json", "training_args.bin", "config.json"} <= files(tmp_path / "final")

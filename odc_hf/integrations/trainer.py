@@ -44,7 +44,7 @@ from odc_hf.integrations.accelerator import (
 from odc_hf.integrations.arguments import odc_config_from_args
 from odc_hf.integrations.attention_setup import AttentionChoice, choose_attention, prepare_attention
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
-from odc_hf.integrations.checkpoint import save_full_model
+from odc_hf.integrations.checkpoint import save_full_model, tie_gathered
 from odc_hf.integrations.failures import failure_guard
 from odc_hf.integrations.launch_config import check_fsdp_config
 from odc_hf.integrations.model_family import weigh_router_loss
@@ -350,14 +350,33 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
 
     # -- save --------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """On GPUs accelerate's FSDP2 path saves; on the CPU path (sharded by odc_hf) gather a full state dict
-        on every rank (a collective) and write from the main process what the Trainer writes: the model, the
-        processing class and ``training_args.bin`` (with the user's ``gradient_accumulation_steps``: see
-        :meth:`_odc_users_arguments`)."""
+        """The model whole, loadable with ``from_pretrained``: what the Trainer writes (the model, the processing
+        class and ``training_args.bin``, with the user's ``gradient_accumulation_steps``: see
+        :meth:`_odc_users_arguments`), from the main process, after a gather on every rank (a collective).
+
+        On the CPU path odc_hf sharded the model and gathers it. On GPUs accelerate's FSDP2 path saves; with
+        ``fsdp_state_dict_type: SHARDED_STATE_DICT`` (``accelerate_configs/odc.yaml``: ranks sharing a GPU cannot
+        gather FULL_STATE_DICT checkpoints) ``Trainer.save_model`` writes no weights at all, so a save you call
+        (a TRL script's final ``trainer.save_model(output_dir)``) gathers the full model through
+        ``ODCAccelerator.get_state_dict``; the Trainer's own checkpoints stay sharded."""
         with self._odc_users_arguments():
-            if not self._odc_self_sharded():
+            if self._odc_self_sharded():
+                return save_full_model(self, output_dir or self.args.output_dir)
+            if _internal_call or not self._odc_sharded_state_dicts():
                 return super().save_model(output_dir, _internal_call)
-            save_full_model(self, output_dir or self.args.output_dir)
+            output_dir = output_dir or self.args.output_dir
+            state = self.accelerator.get_state_dict(self.model)  # the main process's; empty elsewhere
+            self._save(output_dir, state_dict=tie_gathered(self.accelerator.unwrap_model(self.model), state))
+            self.accelerator.wait_for_everyone()
+            if self.args.push_to_hub:
+                self.push_to_hub(commit_message="Model save")
+
+    def _odc_sharded_state_dicts(self) -> bool:
+        """Whether accelerate's FSDP saves this model as SHARDED_STATE_DICT (``Trainer.save_model`` then writes no
+        weights)."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        return bool(getattr(self, "is_fsdp_enabled", False) and plugin is not None
+                    and "FULL_STATE_DICT" not in str(getattr(plugin, "state_dict_type", "")))  # fmt: skip
 
     @contextlib.contextmanager
     def _odc_users_arguments(self):
