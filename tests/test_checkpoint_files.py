@@ -87,11 +87,12 @@ def test_a_final_save_under_sharded_state_dicts_writes_the_whole_model(tmp_path,
     no weights (its checkpoints save the shards); the ODC trainers' ``save_model`` called by the user (a TRL script's
     last line) writes the whole model from the gathered state dict, tied weights as transformers writes them. The
     gather stands in here as copies of one process's tensors (the GPU recipe test runs the real one)."""
+    from types import SimpleNamespace
+
     import torch
     from datasets import Dataset
     from safetensors.torch import load_file
     from transformers import TrainingArguments
-    from types import SimpleNamespace
 
     from odc_hf import ODCConfig, ODCTrainer
     from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
