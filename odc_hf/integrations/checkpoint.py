@@ -65,10 +65,12 @@ def tie_gathered(model, state: dict) -> dict:
     return state
 
 
-def save_full_model(trainer, output_dir: str) -> None:
-    """What ``Trainer.save_model`` writes, on the CPU path: a full state dict gathered on every rank (a collective),
-    written from the main process with the processing class and ``training_args.bin``."""
-    state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def save_full_model(trainer, output_dir: str, state: dict | None = None) -> None:
+    """What ``Trainer.save_model`` writes: a full state dict gathered on every rank (a collective), written from the
+    main process with the processing class and ``training_args.bin``. ``state``: the gathered state dict (the main
+    process's; accelerate's convention), else gathered here (the CPU path, where odc_hf sharded the model)."""
+    if state is None:
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     model = trainer.accelerator.unwrap_model(trainer.model)
     state = tie_gathered(model, state)
     if trainer.accelerator.is_main_process:

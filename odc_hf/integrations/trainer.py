@@ -44,7 +44,7 @@ from odc_hf.integrations.accelerator import (
 from odc_hf.integrations.arguments import odc_config_from_args
 from odc_hf.integrations.attention_setup import AttentionChoice, choose_attention, prepare_attention
 from odc_hf.integrations.bundle import MASK_KEYS, Bundle, BundleDataset, BundleLoader, TrainerBundleCollator
-from odc_hf.integrations.checkpoint import save_full_model, tie_gathered
+from odc_hf.integrations.checkpoint import save_full_model
 from odc_hf.integrations.failures import failure_guard
 from odc_hf.integrations.launch_config import check_fsdp_config
 from odc_hf.integrations.model_family import weigh_router_loss
@@ -364,10 +364,8 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
                 return save_full_model(self, output_dir or self.args.output_dir)
             if _internal_call or not self._odc_sharded_state_dicts():
                 return super().save_model(output_dir, _internal_call)
-            output_dir = output_dir or self.args.output_dir
             state = self.accelerator.get_state_dict(self.model)  # the main process's; empty elsewhere
-            self._save(output_dir, state_dict=tie_gathered(self.accelerator.unwrap_model(self.model), state))
-            self.accelerator.wait_for_everyone()
+            save_full_model(self, output_dir or self.args.output_dir, state)
             if self.args.push_to_hub:
                 self.push_to_hub(commit_message="Model save")
 
