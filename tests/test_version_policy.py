@@ -130,3 +130,30 @@ def test_ci_runs_exactly_the_readme_test_command_through_the_lock():
     assert command in (ROOT / ".ci" / "run").read_text().splitlines()
     (main_job,) = [line for line in readme.splitlines() if line.startswith("pip install") and "examples/sft.py" in line]
     assert "-c tests/constraints.txt" in main_job
+
+
+@pytest.mark.parametrize("failing", ["pip", "python", None])
+def test_ci_fails_when_any_step_of_the_readme_command_fails(tmp_path, failing):
+    """.ci/run with stand-ins for pip and python: a failed install stops CI with its status (bash's set -e alone
+    would go on to the lane, whose exit is 0), as a failed pytest does; the lane runs only after both passed."""
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    shutil.copy(ROOT / ".ci" / "run", repo / ".ci" / "run")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    for tool in ("pip", "python"):
+        status = 3 if tool == failing else 0
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> {log}\nexit {status}\n')
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(repo / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    calls = log.read_text().splitlines()
+    if failing is None:
+        assert proc.returncode == 0 and calls[-1] == "python .ci/newest_releases.py", (proc.stderr, calls)
+    else:
+        assert proc.returncode == 3, (proc.returncode, proc.stderr, calls)
+        assert not any("newest_releases" in c for c in calls), calls
