@@ -260,12 +260,16 @@ def _belongs_to(model: torch.nn.Module, parameters: list) -> bool:
     return all(id(p) in ids for p in parameters)
 
 
+def fsdp_state_dict_type(accelerator: Accelerator) -> str:
+    """How accelerate's FSDP plugin saves state dicts (``"StateDictType.SHARDED_STATE_DICT"``, ...), "" without one."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    return str(getattr(plugin, "state_dict_type", "") or "")
+
+
 def check_shared_gpu_state_dict(accelerator: Accelerator) -> None:
     """Ranks sharing a GPU cannot write FULL_STATE_DICT checkpoints (accelerate gathers them with
     ``full_tensor()``, a functional collective that crashes on gloo with CUDA tensors): refuse before training."""
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    kind = str(getattr(plugin, "state_dict_type", "") or "")
-    if shared_gpu.active() and "FULL_STATE_DICT" in kind:
+    if shared_gpu.active() and "FULL_STATE_DICT" in fsdp_state_dict_type(accelerator):
         raise ValueError(
             f"odc_hf: {shared_gpu.describe()}; FULL_STATE_DICT checkpoints are not supported there (accelerate "
             "gathers them with DTensor.full_tensor(), which crashes on gloo with CUDA tensors): set "

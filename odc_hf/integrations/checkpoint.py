@@ -53,26 +53,21 @@ def _optimizer(trainer):
     return getattr(trainer.optimizer, "optimizer", trainer.optimizer)
 
 
-def tie_gathered(model, state: dict) -> dict:
-    """``state`` (a gathered full state dict of ``model``) with tied parameters (lm_head / embed_tokens) one tensor
-    again: they come back as two gathered copies, which save_pretrained cannot recognise as one, so that it drops
-    the tied name as it does for its own state dict (the model's _tied_weights_keys decide which)."""
-    first_name: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        first = first_name.setdefault(id(param), name)
-        if first != name and first in state and name in state:
-            state[name] = state[first]
-    return state
-
-
 def save_full_model(trainer, output_dir: str, state: dict | None = None) -> None:
     """What ``Trainer.save_model`` writes: a full state dict gathered on every rank (a collective), written from the
     main process with the processing class and ``training_args.bin``. ``state``: the gathered state dict (the main
     process's; accelerate's convention), else gathered here (the CPU path, where odc_hf sharded the model)."""
     if state is None:
         state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # Tied parameters (lm_head / embed_tokens) come back as two gathered copies, which save_pretrained cannot
+    # recognise as one tensor: make them one again, so that it drops the tied name as it does for its own
+    # state dict (the model's _tied_weights_keys decide which).
     model = trainer.accelerator.unwrap_model(trainer.model)
-    state = tie_gathered(model, state)
+    first_name: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first = first_name.setdefault(id(param), name)
+        if first != name and first in state and name in state:
+            state[name] = state[first]
     if trainer.accelerator.is_main_process:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         model.save_pretrained(output_dir, state_dict=state)

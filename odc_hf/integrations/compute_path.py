@@ -114,12 +114,8 @@ def fp32_experts(model, mixed_precision: str) -> bool:
     (a 3-D ``gate_up_proj``) in float32, with no mixed precision to cast them."""
     if mixed_precision not in (None, "no"):
         return False
-    return any(
-        isinstance(p, torch.nn.Parameter) and p.dim() == 3 and p.dtype == torch.float32
-        for m in model.modules()
-        for name, p in m.named_parameters(recurse=False)
-        if name == "gate_up_proj"
-    )
+    return any(name.rsplit(".", 1)[-1] == "gate_up_proj" and p.dim() == 3 and p.dtype == torch.float32
+               for name, p in model.named_parameters())  # fmt: skip
 
 
 def liger_kernel_config(model, requested: dict | None, *, explicit: bool, mixed_precision: str,

@@ -40,6 +40,7 @@ from odc_hf.integrations.accelerator import (
     adopt,
     check_cpu_ranks_have_no_gpu_to_pick,
     check_launch_before_accelerate,
+    fsdp_state_dict_type,
 )
 from odc_hf.integrations.arguments import odc_config_from_args
 from odc_hf.integrations.attention_setup import AttentionChoice, choose_attention, prepare_attention
@@ -372,9 +373,8 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
     def _odc_sharded_state_dicts(self) -> bool:
         """Whether accelerate's FSDP saves this model as SHARDED_STATE_DICT (``Trainer.save_model`` then writes no
         weights)."""
-        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        return bool(getattr(self, "is_fsdp_enabled", False) and plugin is not None
-                    and "FULL_STATE_DICT" not in str(getattr(plugin, "state_dict_type", "")))  # fmt: skip
+        kind = fsdp_state_dict_type(self.accelerator)
+        return bool(getattr(self, "is_fsdp_enabled", False) and kind and "FULL_STATE_DICT" not in kind)
 
     @contextlib.contextmanager
     def _odc_users_arguments(self):
