@@ -10,6 +10,8 @@ import os
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from odc_hf.testing import accelerate_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +84,8 @@ def _assert_same_contents(trl: Path, odc: Path) -> None:
         assert (args.max_steps, args.save_steps, Path(args.output_dir)) == (2, 2, run), args
 
 
-def test_a_final_save_under_sharded_state_dicts_writes_the_whole_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_final_save_under_sharded_state_dicts_writes_the_whole_model(tmp_path, monkeypatch, tied):
     """Under accelerate's FSDP with SHARDED_STATE_DICT (accelerate_configs/odc.yaml) ``Trainer.save_model`` writes
     no weights (its checkpoints save the shards); the ODC trainers' ``save_model`` called by the user (a TRL script's
     last line) writes the whole model from the gathered state dict, tied weights as transformers writes them. The
@@ -98,7 +101,8 @@ def test_a_final_save_under_sharded_state_dicts_writes_the_whole_model(tmp_path,
     from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
-    model = tiny_qwen2_model(tokenizer)
+    model = tiny_qwen2_model(tokenizer, tie_word_embeddings=tied)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", use_cpu=True, max_steps=1)
     data = Dataset.from_dict({"input_ids": [[1, 2, 3]] * 4})
     trainer = ODCTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
@@ -106,7 +110,7 @@ def test_a_final_save_under_sharded_state_dicts_writes_the_whole_model(tmp_path,
     monkeypatch.setattr(trainer, "is_fsdp_enabled", True, raising=False)
     monkeypatch.setattr(trainer.accelerator.state, "fsdp_plugin",
                         SimpleNamespace(state_dict_type="StateDictType.SHARDED_STATE_DICT"), raising=False)  # fmt: skip
-    gathered = {k: v.detach().clone() for k, v in model.state_dict().items()}  # two copies of a tied weight
+    gathered = {k: v.detach().clone() for k, v in model.state_dict().items()}  # tied: two copies, as gathered
     monkeypatch.setattr(trainer.accelerator, "get_state_dict", lambda m, unwrap=True: dict(gathered))
     trainer.save_model(str(tmp_path / "checkpointish"), _internal_call=True)  # the Trainer's own checkpoint call
     assert not list((tmp_path / "checkpointish").glob("*.safetensors"))  # transformers: nothing for the shards
