@@ -33,10 +33,14 @@ install() {  # idempotent; run it alone before groups that run in parallel
   cat /tmp/parts/part_aa /tmp/parts/part_ab .vllm3/part_ac | xz -d -T0 | tar xf - -C /tmp/site || return 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .vllmdeps/*.whl \
     .whl/*.whl || return 1
-  cat /tmp/parts/cu13part_aa /tmp/parts/cu13part_ab \
-    > /tmp/parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl || return 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4 .faw/*.whl \
-    /tmp/parts/nvidia_cutlass_dsl_libs_cu13-*.whl || echo "FA4 INSTALL FAILED"
+  if [ -s /tmp/parts/cu13part_aa ] && [ -s /tmp/parts/cu13part_ab ] && [ -d .faw ]; then  # FA4 only when carried
+    cat /tmp/parts/cu13part_aa /tmp/parts/cu13part_ab \
+      > /tmp/parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl || return 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4 .faw/*.whl \
+      /tmp/parts/nvidia_cutlass_dsl_libs_cu13-*.whl || echo "FA4 INSTALL FAILED"
+  else
+    echo "FA4 not staged (.fa1, .fa2 and .faw not carried): the zoo group runs without it"
+  fi
   say installed
 }
 export PYTHONPATH=$PWD:/tmp/site
