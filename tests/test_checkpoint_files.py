@@ -112,9 +112,14 @@ def test_a_final_save_under_sharded_state_dicts_writes_the_whole_model(tmp_path,
                         SimpleNamespace(state_dict_type="StateDictType.SHARDED_STATE_DICT"), raising=False)  # fmt: skip
     gathered = {k: v.detach().clone() for k, v in model.state_dict().items()}  # tied: two copies, as gathered
     monkeypatch.setattr(trainer.accelerator, "get_state_dict", lambda m, unwrap=True: dict(gathered))
+    pushes = []  # pushed as Trainer.save_model pushes: the user's save only, to the configured revision
+    monkeypatch.setattr(trainer.args, "push_to_hub", True)
+    monkeypatch.setattr(trainer.args, "hub_revision", "odc-test")
+    monkeypatch.setattr(trainer, "push_to_hub", lambda **kw: pushes.append(kw))
     trainer.save_model(str(tmp_path / "checkpointish"), _internal_call=True)  # the Trainer's own checkpoint call
     assert not list((tmp_path / "checkpointish").glob("*.safetensors"))  # transformers: nothing for the shards
     trainer.save_model(str(tmp_path / "final"))
+    assert pushes == [{"commit_message": "Model save", "revision": "odc-test"}], pushes
     saved = load_file(tmp_path / "final" / "model.safetensors")
     model.save_pretrained(tmp_path / "reference")
     want = load_file(tmp_path / "reference" / "model.safetensors")

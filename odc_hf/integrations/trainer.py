@@ -362,13 +362,14 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         ``ODCAccelerator.get_state_dict``; the Trainer's own checkpoints stay sharded."""
         with self._odc_users_arguments():
             if self._odc_self_sharded():
-                return save_full_model(self, output_dir or self.args.output_dir)
-            if _internal_call or not self._odc_sharded_state_dicts():
+                state = None  # gathered by save_full_model
+            elif _internal_call or not self._odc_sharded_state_dicts():
                 return super().save_model(output_dir, _internal_call)
-            state = self.accelerator.get_state_dict(self.model)  # the main process's; empty elsewhere
+            else:
+                state = self.accelerator.get_state_dict(self.model)  # the main process's; empty elsewhere
             save_full_model(self, output_dir or self.args.output_dir, state)
-            if self.args.push_to_hub:
-                self.push_to_hub(commit_message="Model save")
+            if self.args.push_to_hub and not _internal_call:  # as Trainer.save_model pushes
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _odc_sharded_state_dicts(self) -> bool:
         """Whether accelerate's FSDP saves this model as SHARDED_STATE_DICT (``Trainer.save_model`` then writes no
