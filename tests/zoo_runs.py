@@ -351,17 +351,22 @@ def relative(a: float, b: float) -> float:
 def largest_difference(ours: list[dict], reference: list[dict], keys=("loss", "grad_norm", "aux_loss"),
                        renamed: dict | None = None) -> float:  # fmt: skip
     """The largest relative difference of the logged values both runs have, step by step (inf when the steps or the
-    keys differ); ``renamed``: the reference's key to compare each of ours with (default: the same)."""
-    if [h["step"] for h in ours] != [h["step"] for h in reference]:
+    keys differ, and when there is nothing to compare: an empty history, or a step without any of the keys);
+    ``renamed``: the reference's key to compare each of ours with (default: the same)."""
+    if not ours or [h["step"] for h in ours] != [h["step"] for h in reference]:
         return math.inf
     worst = 0.0
     for a, b in zip(ours, reference):
+        compared = 0
         for key in keys:
             theirs = (renamed or {}).get(key, key)
             if (key in a) != (theirs in b):
                 return math.inf
             if key in a:
                 worst = max(worst, relative(a[key], b[theirs]))
+                compared += 1
+        if not compared:
+            return math.inf
     return worst
 
 

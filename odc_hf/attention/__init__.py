@@ -63,8 +63,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from odc_hf.attention.variants import Variant, document_attention, masked_attention, take_variant
 
-__all__ = ["DEFAULT_SHAPE_BUCKET", "EAGER_VARLEN_ATTENTION", "VARLEN_ATTENTION", "VarlenAttention", "attention_of", "document_bounds", "padding_mask",
-           "register", "sdpa_varlen_attention_forward", "warm_up"]  # fmt: skip
+__all__ = ["DEFAULT_SHAPE_BUCKET", "EAGER_VARLEN_ATTENTION", "PackedRowWithoutBoundaries", "VARLEN_ATTENTION", "VarlenAttention", "attention_of", "document_bounds", "guard_boundaries", "padding_mask",
+           "register", "sdpa_varlen_attention_forward", "setting_named", "warm_up"]  # fmt: skip
 
 VARLEN_ATTENTION = "sdpa_varlen"
 """The ``attn_implementation`` name this module registers."""
@@ -87,6 +87,36 @@ except ImportError:  # pragma: no cover - older torch
 
 _cache: tuple[weakref.ref, list[tuple[int, int]]] | None = None
 PLAIN = Variant()
+
+
+class PackedRowWithoutBoundaries(RuntimeError):
+    """A packed row's attention call arrived without the row's document boundaries."""
+
+
+_in_flight = [0]
+"""Tokens of the packed row (several documents) the guarded model is running now, 0 when none."""
+
+
+def _row_starts(module, args, kwargs) -> None:
+    cu = kwargs.get("cu_seq_lens_q")
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    _in_flight[0] = int(ids.shape[1]) if cu is not None and cu.numel() > 2 and ids is not None and ids.shape[0] == 1 else 0
+
+
+def _row_ends(module, args, kwargs, output) -> None:
+    _in_flight[0] = 0
+
+
+def guard_boundaries(model: torch.nn.Module) -> list:
+    """Make a packed row whose attention call arrives without its document boundaries an error.
+
+    Hooks on ``model``'s forward note when it runs a row of several documents (``cu_seq_lens_q`` with more than one
+    document); an ``sdpa_varlen`` / ``eager_varlen`` call of that row's length without ``cu_seq_lens_q`` then raises
+    :class:`PackedRowWithoutBoundaries` instead of treating the row as one long document. Returns the hook handles."""
+    return [model.register_forward_pre_hook(_row_starts, with_kwargs=True),
+            model.register_forward_hook(_row_ends, with_kwargs=True, always_call=True)]  # fmt: skip
 
 
 def document_bounds(cu_seq_lens: torch.Tensor | None, length: int) -> list[tuple[int, int]]:
@@ -173,6 +203,13 @@ def sdpa_varlen_attention_forward(
     if attention_mask is not None or key.shape[2] != length:  # padded rows, a cached decode step
         CALLS["fallback"] += 1
         return masked_attention(module, query, key, value, attention_mask, variant, kwargs)
+    if cu_seq_lens is None and query.shape[0] == 1 and _in_flight[0] == length:
+        raise PackedRowWithoutBoundaries(
+            f"{type(module).__name__} ({type(module).__module__}) received a packed row of {length} tokens without "
+            "its document boundaries (cu_seq_lens_q): its decoder layer does not pass its keyword arguments on, and "
+            "the row's documents would attend to each other. Use ODCConfig(attention='model') with the model loaded "
+            "with attn_implementation='sdpa' (transformers' own masks over packed rows)"
+        )
     # a packed row (its documents at cu_seq_lens_q), or rows that are each one document
     bounds = document_bounds(cu_seq_lens if query.shape[0] == 1 else None, length)
     if len(bounds) == 1:
@@ -227,7 +264,11 @@ def _bucketed(t: torch.Tensor, length: int) -> torch.Tensor:
 
 def attention_of(model: torch.nn.Module) -> VarlenAttention | None:
     """The :class:`VarlenAttention` a model's ``attn_implementation`` names, or None when it uses another attention."""
-    name = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return setting_named(getattr(getattr(model, "config", None), "_attn_implementation", None))
+
+
+def setting_named(name: str | None) -> VarlenAttention | None:
+    """The :class:`VarlenAttention` registered under ``name``, or None when ``name`` is another attention."""
     try:
         function = AttentionInterface()[name]
     except KeyError:

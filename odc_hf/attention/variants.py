@@ -82,13 +82,20 @@ def take_variant(module: torch.nn.Module, kwargs: dict, *, family_eager: bool = 
         )
     for name in VARLEN_ARGUMENTS + IGNORED:
         kwargs.pop(name, None)
-    window = kwargs.pop("sliding_window", None)
+    # a layer that keeps its window as an attribute and leaves it to the model's mask (Qwen2-MoE) gets it applied here
+    window = kwargs.pop("sliding_window") if "sliding_window" in kwargs else _own_window(module)
     softcap = kwargs.pop("softcap", None)
     sinks = kwargs.pop("s_aux", None)
     if window is not None and (int(window) != window or window < 1):
         raise UnsupportedAttentionArgument(f"{type(module).__name__}: sliding_window={window!r} is not a window size")
     return Variant(window=None if window is None else int(window), softcap=softcap or None, sinks=sinks,
                    family_eager=family_eager)  # fmt: skip
+
+
+def _own_window(module: torch.nn.Module) -> int | None:
+    """The window a layer keeps as ``sliding_window`` but does not pass to the attention (None: none)."""
+    window = getattr(module, "sliding_window", None)
+    return window if isinstance(window, int) and not isinstance(window, bool) else None
 
 
 def eager_function(module: torch.nn.Module):

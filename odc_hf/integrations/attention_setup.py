@@ -24,6 +24,7 @@ import torch
 from transformers import AttentionInterface
 
 import odc_hf.attention
+from odc_hf.integrations.definition_check import verify_definition
 from odc_hf.integrations.model_family import (
     FLASH_ATTENTION_4_ARGUMENTS,
     FamilyNeeds,
@@ -202,12 +203,17 @@ def choose_attention(trainer) -> AttentionChoice:
     # multimodal models, non-attention layers, chunked attention outside transformers' masks: refused by name
     check_packable(model, masked=not (is_varlen(name) or is_flash(name)))
     check_flash_variants(name, needs)
+    # the model's own code on a packed row against each document alone: refused by name when they differ
+    verdict = verify_definition(model, name, sdpa=needs.sdpa)
     for target in (model, getattr(trainer, "ref_model", None)):
         target = accelerator.unwrap_model(target) if target is not None else None
         if target is not None and name is not None and attn_implementation(target) != name:
             target.set_attn_implementation(name)
+        if target is not None:
+            odc_hf.attention.guard_boundaries(target)
     if accelerator.is_main_process:  # once, not once per rank
-        logger.info("odc_hf: attention %s (%s)", name, reason)
+        logger.info("odc_hf: attention %s (%s); packed rows train %s as defined (checked in %.2f s)", name, reason,
+                    verdict.family, verdict.seconds)  # fmt: skip
         if name in ("sdpa", "eager"):
             logger.warning(
                 "odc_hf packs several documents per microbatch; with attn_implementation=%r transformers isolates "

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from odc_hf.integrations.transformers_version import GradientCheckpointingLayer, supports_sdpa
+from odc_hf.integrations.transformers_version import supports_sdpa
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 """``layer_types`` entries whose layers are attention layers odc_hf applies per document."""
@@ -93,19 +93,9 @@ def refusal(model, masked: bool = False) -> str | None:
         return (f"{family} has layers of type {other}: they are not attention layers, so nothing keeps the documents "
                 "of a packed row apart in them. odc_hf trains families whose layers are all attention layers "
                 f"({', '.join(ATTENTION_LAYER_TYPES)})")  # fmt: skip
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    bare = [i for i, layer in enumerate(layers) if not any(_is_attention(m) for m in layer.modules())]
-    if bare:
-        kinds = sorted({type(child).__name__ for i in bare for child in layers[i].children()})
-        return (f"{family}: decoder layer(s) {bare[:8]} have no attention layer (their parts: {kinds[:6]}), so "
-                "nothing keeps the documents of a packed row apart in them (state-space or linear-attention "
-                "layers read the whole row)")  # fmt: skip
+    # anything else a layer does to a packed row (a layer that reads the whole row, boundaries or windows that never
+    # reach the attention) is seen by the behavioural check (odc_hf.integrations.definition_check)
     return None
-
-
-def _is_attention(module: torch.nn.Module) -> bool:
-    """A transformers attention layer: it calls the attention interface with ``num_key_value_groups`` heads."""
-    return type(module).__name__.endswith("Attention") and hasattr(module, "num_key_value_groups")
 
 
 def check_packable(model, masked: bool = False) -> None:

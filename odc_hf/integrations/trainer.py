@@ -33,6 +33,7 @@ from odc_hf.integrations import (
     activation_checkpointing,
     compute_path,
     cuda_allocator,
+    definition_check,
     parallelism,
     shared_gpu,
 )
@@ -124,6 +125,8 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
         self.odc_attention_choice = choose_attention(self)
+        if getattr(self, "aux_loss_enabled", False):  # TRL's router loss (SFT, GRPO): the family's own, or refused
+            definition_check.verify_router_loss(self.accelerator.unwrap_model(self.model))
         if self.odc_compute_path:
             self.odc_compute = compute_path.setup(self)
         device = self.accelerator.device

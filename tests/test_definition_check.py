@@ -1,0 +1,200 @@
+"""The behavioural check that packed rows train the model in hand as it is defined (odc_hf.integrations.definition_check)
+and the runtime guard of the attention path: each failure class caught, each with its control.
+
+Failure classes (tiny configs of families in transformers, fp32, CPU):
+- a decoder layer that does not pass its keyword arguments on (Nemotron, StableLM, Falcon): the document boundaries
+  never reach the attention, so the row's documents attend to each other;
+- a sliding window that lives only in the model's mask (Phi-MoE): the attention is never handed it;
+- a family whose code cannot run a packed row at all (Falcon with ALiBi: it needs a padding mask);
+- a router loss TRL computes from names the family's config does not have (GraniteMoE, JetMoE).
+Controls: Llama (plain), Qwen2-MoE with a sliding layer (a window kept as a layer attribute, applied by odc_hf), the
+check's own row with its boundaries removed (the check must see documents attending to each other).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as t
+
+import odc_hf.attention
+from odc_hf.integrations import definition_check as dc
+from odc_hf.integrations.planning import flop_cost_model
+
+SIZE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)  # fmt: skip
+WINDOW = 8
+
+
+def tiny(build):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return build().float()
+
+
+def llama():
+    return tiny(lambda: t.LlamaForCausalLM(t.LlamaConfig(**SIZE)))
+
+
+def nemotron():
+    return tiny(lambda: t.NemotronForCausalLM(t.NemotronConfig(**SIZE)))
+
+
+def phimoe(window=WINDOW):
+    return tiny(lambda: t.PhimoeForCausalLM(t.PhimoeConfig(**SIZE, num_local_experts=4, num_experts_per_tok=2,
+                                                           sliding_window=window)))  # fmt: skip
+
+
+def qwen2_moe_window():
+    return tiny(lambda: t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(
+        **SIZE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+        layer_types=["sliding_attention", "full_attention"])))  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts():
+    dc._verdicts.clear()
+    yield
+    dc._verdicts.clear()
+
+
+def test_a_plain_family_passes_and_the_check_sees_documents_attending_to_each_other():
+    verdict = dc.verify_definition(llama(), "sdpa_varlen")
+    assert verdict.exact and verdict.difference < 1e-5, verdict
+    # the control: the same row with its boundaries removed is far from the documents alone
+    assert verdict.control > dc.SENSITIVITY * dc.THRESHOLD, verdict
+    print(f"llama: {verdict.difference:.1e}, control {verdict.control:.1e}, {verdict.seconds:.2f} s")
+
+
+@pytest.mark.parametrize("family,build", [
+    ("nemotron", lambda: nemotron()),
+    ("stablelm", lambda: tiny(lambda: t.StableLmForCausalLM(t.StableLmConfig(**SIZE)))),
+    ("falcon", lambda: tiny(lambda: t.FalconForCausalLM(t.FalconConfig(
+        **{k: v for k, v in SIZE.items() if k not in ("intermediate_size", "num_key_value_heads")},
+        new_decoder_architecture=True, num_kv_heads=2)))),
+])  # fmt: skip
+def test_a_layer_that_drops_the_boundaries_is_refused_by_name_with_a_setting_that_works(family, build):
+    model = build()
+    with pytest.raises(dc.DefinitionMismatch, match="documents of the packed row attend to each other") as refused:
+        dc.verify_definition(model, "sdpa_varlen")
+    message = str(refused.value)
+    assert family in message and "self_attn" in message or "self_attention" in message, message
+    assert "attention='model'" in message and "attn_implementation='sdpa'" in message, message
+    # the setting it names passes the same check: transformers' own masks over packed rows
+    assert dc.check_definition(model, "sdpa").exact
+
+
+def test_a_window_that_lives_only_in_the_mask_is_refused_and_its_control_passes():
+    with pytest.raises(dc.DefinitionMismatch, match="sliding window is not applied") as refused:
+        dc.verify_definition(phimoe(), "sdpa_varlen")
+    assert "phimoe" in str(refused.value) and "PhimoeAttention" in str(refused.value)
+    assert dc.verify_definition(phimoe(window=None), "sdpa_varlen").exact  # the same family without a window
+
+
+def test_a_window_kept_as_a_layer_attribute_is_applied_per_document():
+    model = qwen2_moe_window()
+    verdict = dc.verify_definition(model, "sdpa_varlen")
+    assert verdict.exact, verdict
+    # broken twin: the same model with the layers' windows gone is no longer the model's definition
+    for module in model.modules():
+        if hasattr(module, "sliding_window"):
+            module.sliding_window = None
+    ids = torch.randint(3, 100, (1, 3 * WINDOW + 5))
+    bounds = [(0, 2 * WINDOW), (2 * WINDOW, 3 * WINDOW + 5)]
+    model.set_attn_implementation("sdpa_varlen")
+    packed = dc._logits(model, **dc._packed_inputs(ids, bounds))
+    reference = qwen2_moe_window()
+    alone = torch.cat([dc._logits(reference, input_ids=ids[:, a:b]) for a, b in bounds], dim=1)
+    assert dc._relative(packed, alone) > 100 * dc.THRESHOLD
+
+
+def test_a_family_that_cannot_run_a_packed_row_is_refused_clearly():
+    model = tiny(lambda: t.FalconForCausalLM(t.FalconConfig(
+        **{k: v for k, v in SIZE.items() if k not in ("intermediate_size", "num_key_value_heads")}, alibi=True)))
+    with pytest.raises(dc.DefinitionMismatch, match=r"falcon \(FalconForCausalLM\) cannot run a packed row"):
+        dc.verify_definition(model, "sdpa_varlen")
+
+
+def test_a_blind_check_is_refused():
+    verdict = dc.Verdict("x", "sdpa_varlen", difference=0.0, control=1e-6, seconds=0.0)
+    dc._verdicts[("blind",)] = verdict
+    original = dc.check_definition
+    try:
+        dc.check_definition = lambda *a, **k: verdict
+        with pytest.raises(dc.DefinitionMismatch, match="cannot verify"):
+            dc.verify_definition(llama(), "sdpa_varlen")
+    finally:
+        dc.check_definition = original
+
+
+def test_the_check_runs_once_per_model_and_attention():
+    model = llama()
+    first = dc.check_definition(model, "sdpa_varlen")
+    assert dc.check_definition(model, "sdpa_varlen") is first
+    assert dc.LAST_COST["family"] == "llama" and dc.LAST_COST["on"] == "a small copy"
+
+
+def test_the_probe_keeps_layers_and_switches_and_shrinks_widths_and_windows():
+    config = t.Gemma3TextConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=6, num_attention_heads=8,
+                                num_key_value_heads=4, head_dim=256, sliding_window=512, vocab_size=1000)  # fmt: skip
+    probe = dc.probe_config(config)
+    assert (probe.hidden_size, probe.num_attention_heads, probe.num_key_value_heads, probe.head_dim) == (32, 4, 2, 8)
+    assert probe.sliding_window == dc.PROBE_WINDOW < min(dc.PROBE_DOCUMENTS)
+    assert probe.num_hidden_layers == 6 and probe.layer_types == config.layer_types
+    assert config.hidden_size == 2048  # the model's own config is untouched
+
+
+# -- the runtime guard ------------------------------------------------------------------------------------------------
+def packed_forward(model, lengths=(9, 7)):
+    bounds = dc._document_bounds(lengths)
+    ids = torch.randint(3, 100, (1, bounds[-1][1]))
+    return dc._logits(model, **dc._packed_inputs(ids, bounds))
+
+
+def test_a_packed_row_whose_attention_gets_no_boundaries_is_an_error():
+    model = nemotron()
+    model.set_attn_implementation("sdpa_varlen")
+    packed_forward(model)  # unguarded: one long document, silently
+    handles = odc_hf.attention.guard_boundaries(model)
+    with pytest.raises(odc_hf.attention.PackedRowWithoutBoundaries, match="NemotronAttention"):
+        packed_forward(model)
+    for handle in handles:
+        handle.remove()
+
+
+def test_the_guard_lets_boundaries_through_and_leaves_other_forwards_alone():
+    model = llama()
+    model.set_attn_implementation("sdpa_varlen")
+    odc_hf.attention.guard_boundaries(model)
+    packed_forward(model)  # boundaries reach every layer
+    model(input_ids=torch.randint(3, 100, (2, 6)))  # a batch of whole documents
+    assert odc_hf.attention._in_flight[0] == 0
+
+
+# -- router losses ----------------------------------------------------------------------------------------------------
+def test_a_router_loss_trl_cannot_compute_for_the_family_is_refused_by_name():
+    model = tiny(lambda: t.GraniteMoeForCausalLM(t.GraniteMoeConfig(**SIZE, num_local_experts=4, num_experts_per_tok=2,
+                                                                    router_aux_loss_coef=0.05)))  # fmt: skip
+    with pytest.raises(dc.DefinitionMismatch, match=r"config.num_experts, which GraniteMoeConfig \(granitemoe\)"):
+        dc.verify_router_loss(model)
+
+
+def test_a_router_loss_trl_computes_as_the_family_defines_it_passes():
+    model = tiny(lambda: t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**SIZE, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                                moe_intermediate_size=32, router_aux_loss_coef=0.05)))  # fmt: skip
+    assert dc.router_loss_problem(model) is None
+
+
+# -- the default cost model, any family -------------------------------------------------------------------------------
+def test_the_flop_cost_model_is_read_off_the_modules_for_any_family():
+    from odc_hf.balance import FlopCostModel
+
+    config = t.Qwen2Config(**SIZE)
+    assert flop_cost_model(t.Qwen2ForCausalLM(config)) == FlopCostModel.from_config(config)
+    gpt2 = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4))  # Conv1D, no intermediate_size
+    cost = flop_cost_model(gpt2)
+    assert cost.num_layers == 2 and cost.attn_dim == 32
+    assert cost.num_matmul_params == 2 * (32 * 96 + 32 * 32 + 2 * 32 * 128) + 128 * 32
+    falcon = t.FalconForCausalLM(t.FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
+    assert flop_cost_model(falcon).num_layers == 2
