@@ -52,6 +52,23 @@ def test_fa4_needs_the_package_cuda_hopper_and_half_precision(monkeypatch):
     assert fa4_problem("cuda:0", torch.bfloat16, FLASH_MODEL) is None
 
 
+def test_fa4_is_chosen_only_at_the_head_dimensions_it_was_measured_exact(monkeypatch):
+    # FA4 4.0.0b on an H100: head dimension 16 gave gradient norms 8-29% low, 64 agreed with TRL (GPU twin:
+    # tests/test_attention_fa4_gpu.py)
+    from odc_hf.testing.data import TINY_HEAD_DIM_64
+
+    monkeypatch.setattr(attention_setup, "fa4_installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    small = Qwen2ForCausalLM(tiny_qwen2_config(97))  # head_dim 16
+    problem = fa4_problem("cuda:0", torch.bfloat16, small)
+    assert "head dimension [16]" in problem and "64, 128, 256" in problem
+    name, why = resolve_attention("auto", "sdpa", problem, VARLEN_ATTENTION)
+    assert name == VARLEN_ATTENTION and "head dimension [16]" in why
+    with pytest.raises(ValueError, match=r"head dimension \[16\]"):
+        resolve_attention(FLASH_ATTENTION_4, "sdpa", problem, VARLEN_ATTENTION)
+    assert fa4_problem("cuda:0", torch.bfloat16, Qwen2ForCausalLM(tiny_qwen2_config(97, **TINY_HEAD_DIM_64))) is None
+
+
 def test_fa4_is_absent_here():
     """This CPU machine: transformers' own check says no, whatever is installed."""
     assert "not installed" in fa4_problem("cpu", torch.float32) or "CUDA only" in fa4_problem("cpu", torch.float32)

@@ -198,3 +198,66 @@ def test_the_flop_cost_model_is_read_off_the_modules_for_any_family():
     assert cost.num_matmul_params == 2 * (32 * 96 + 32 * 32 + 2 * 32 * 128) + 128 * 32
     falcon = t.FalconForCausalLM(t.FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
     assert flop_cost_model(falcon).num_layers == 2
+
+
+# -- the loss: TRL's fused LM head against the model's own --------------------------------------------------------------
+def llama4_text():
+    return tiny(lambda: t.Llama4ForCausalLM(t.Llama4TextConfig(**SIZE, intermediate_size_mlp=64, head_dim=8,
+                                                               num_local_experts=2, attention_chunk_size=WINDOW)))  # fmt: skip
+
+
+def test_trls_fused_head_is_checked_against_the_models_own_loss():
+    assert dc.fused_head_problem(llama()) is None
+    problem = dc.fused_head_problem(llama4_text())  # TRL's head reads last_hidden_state, Llama 4 text returns none
+    assert problem is not None and "llama4_text" in problem, problem
+    with pytest.raises(dc.DefinitionMismatch, match="What works: ODCTrainer"):
+        dc.verify_fused_head(llama4_text())
+
+
+def test_chunked_attention_through_transformers_masks_passes_the_static_refusals_and_the_check():
+    from odc_hf.integrations.model_family import check_packable
+
+    model = llama4_text()
+    with pytest.raises(ValueError, match="chunked attention"):
+        check_packable(model)  # odc_hf's own attention does not apply the chunks
+    check_packable(model, masked=True)  # the refusal's advice: transformers' masks (chunked layers are attention)
+    assert dc.check_definition(model, "sdpa").exact
+
+
+# -- in the trainers ---------------------------------------------------------------------------------------------------
+def test_the_sft_trainer_refuses_a_family_whose_layers_drop_the_boundaries_before_training(tmp_path, monkeypatch):
+    import zoo_runs
+    from datasets import Dataset
+
+    from odc_hf import ODCSFTTrainer
+    from odc_hf.testing.data import default_tokenizer
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    tokenizer = default_tokenizer()
+    model = tiny(lambda: t.NemotronForCausalLM(t.NemotronConfig(**dict(SIZE, vocab_size=len(tokenizer),
+                                                                          pad_token_id=tokenizer.pad_token_id))))  # fmt: skip
+    with pytest.raises(dc.DefinitionMismatch, match=r"nemotron .* documents of the packed row attend to each other"):
+        ODCSFTTrainer(model=model, args=zoo_runs.sft_args(tmp_path), processing_class=tokenizer,
+                      train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 8}))  # fmt: skip
+
+
+def test_odc_trainer_keeps_the_models_own_loss_where_trls_fused_head_does_not_give_it(tmp_path, monkeypatch):
+    import zoo_runs
+
+    from odc_hf import ODCConfig, ODCTrainer
+    from odc_hf.integrations.compute_path import FULL_LOGITS
+    from odc_hf.testing.data import default_tokenizer
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    tokenizer = default_tokenizer()
+    model = tiny(lambda: t.Llama4ForCausalLM(t.Llama4TextConfig(**dict(SIZE, vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id), intermediate_size_mlp=64, head_dim=8, num_local_experts=2,
+        attention_chunk_size=WINDOW)))  # fmt: skip
+    model.set_attn_implementation("sdpa")
+    trainer = ODCTrainer(model=model, args=zoo_runs.plain_args(tmp_path), train_dataset=zoo_runs.dataset(tokenizer),
+                         processing_class=tokenizer,
+                         odc_config=ODCConfig(attention="model", max_tokens_per_microbatch=zoo_runs.CPU.budget))  # fmt: skip
+    assert trainer.odc_compute.loss == FULL_LOGITS
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == zoo_runs.STEPS and all(loss > 0 for loss in losses), losses

@@ -256,6 +256,7 @@ def trl_run(name: str, out, off: str | None = None, setting: Setting = CPU, **ch
     trainer = SFTTrainer(model=model, args=sft_args(out, setting=setting, **changes),
                          train_dataset=dataset(tokenizer, setting), processing_class=tokenizer, callbacks=[norms])  # fmt: skip
     trainer.train()
+    save_final_weights(trainer, out)
     steps = history(trainer)
     assert len(norms.norms) == len(steps)
     return [dict(h, grad_norm_fp64=n) for h, n in zip(steps, norms.norms)]
@@ -280,12 +281,54 @@ def odc_run(names: list[str], out: str, world: int, setting: str = "cpu", bf16: 
                               train_dataset=dataset(tokenizer, setting), processing_class=tokenizer,
                               odc_config=config)  # fmt: skip
         trainer.train()
+        save_final_weights(trainer, f"{out}/{name}")
         results[name] = {"history": history(trainer), "attention": trainer.odc_attention,
                          "microbatches": [list(s.microbatches) for s in trainer.odc_stats.steps],
                          "compute": compute_of(trainer)}  # fmt: skip
         if trainer.odc is not None:
             trainer.odc.close()
     return results
+
+
+FINAL_WEIGHTS = "final_weights.pt"
+
+
+def save_final_weights(trainer, out) -> None:
+    """The trained model's whole state (gathered from every rank: a collective, all ranks call it) as float32 CPU
+    tensors in ``out/final_weights.pt``, written by the main process."""
+    from pathlib import Path
+
+    state = trainer.accelerator.get_state_dict(trainer.model)
+    if trainer.accelerator.is_main_process:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        torch.save({k: v.detach().float().cpu() for k, v in state.items()}, Path(out) / FINAL_WEIGHTS)
+
+
+def update_difference(name: str, ours, reference) -> tuple[float, str]:
+    """The largest, over the model's parameters, of ``|update_ours - update_ref| / |update_ref|`` (updates: final
+    weights minus the family's seeded initial weights), and the parameter where it is; inf when the runs' parameters
+    differ or nothing was updated."""
+    from pathlib import Path
+
+    from odc_hf.testing.data import default_tokenizer
+
+    initial = {k: v.detach().float() for k, v in build(name, default_tokenizer()).state_dict().items()}
+    a, b = (torch.load(Path(p) / FINAL_WEIGHTS) for p in (ours, reference))
+    if set(a) != set(b) or not set(b) <= set(initial):
+        return math.inf, f"parameters differ: {sorted(set(a) ^ set(b))[:4]}"
+    worst, where, moved = 0.0, "", 0
+    for key, final in b.items():
+        theirs, mine = final - initial[key], a[key] - initial[key]
+        norm = float(theirs.norm())
+        if norm == 0.0:  # not trained (a frozen or unused parameter): ours must not move either
+            if float(mine.norm()) != 0.0:
+                return math.inf, key
+            continue
+        moved += 1
+        difference = float((mine - theirs).norm()) / norm
+        if difference > worst:
+            worst, where = difference, key
+    return (worst, where) if moved else (math.inf, "no parameter was updated")
 
 
 def compute_of(trainer) -> dict | None:

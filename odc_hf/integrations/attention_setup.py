@@ -24,7 +24,7 @@ import torch
 from transformers import AttentionInterface
 
 import odc_hf.attention
-from odc_hf.integrations.definition_check import verify_definition
+from odc_hf.integrations.definition_check import dropout_settings, verify_definition
 from odc_hf.integrations.model_family import (
     FLASH_ATTENTION_4_ARGUMENTS,
     FamilyNeeds,
@@ -81,7 +81,25 @@ def fa4_problem(device: torch.device | str, compute_dtype: torch.dtype | None, m
         return "the attention computes in float32 (no bf16/fp16 parameters or mixed precision) and FA4 takes bf16/fp16"
     if model is not None and not supports_flash_attention(model):
         return f"{type(model).__name__} does not support transformers' flash attention"
+    unmeasured = sorted(set(head_dims(model)) - set(FA4_EXACT_HEAD_DIMS)) if model is not None else []
+    if unmeasured:
+        return (f"the model's attention head dimension {unmeasured} is not one FlashAttention-4 was measured exact at "
+                f"({', '.join(map(str, FA4_EXACT_HEAD_DIMS))}; at head dimension 16 its gradients came out 8-29% low "
+                "on an H100)")  # fmt: skip
     return None
+
+
+FA4_EXACT_HEAD_DIMS = (64, 128, 256)
+"""Head dimensions at which FlashAttention-4 (4.0.0b) matched TRL's bf16 training on one H100 / H200 (head dimension
+64: 5e-4; Gemma 3 at 256, GPT-OSS at 64, Qwen3-MoE at 128 within bf16 noise); at 16 its gradient norms came out 8-29%
+low for every family. ``attention="auto"`` picks FA4 only at these."""
+
+
+def head_dims(model) -> list[int]:
+    """The head dimensions of ``model``'s attention layers (modules named ``*Attention`` with an int ``head_dim``)."""
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    return [m.head_dim for m in modules
+            if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "head_dim", None), int)]  # fmt: skip
 
 
 def is_varlen(name: str | None) -> bool:
@@ -214,6 +232,11 @@ def choose_attention(trainer) -> AttentionChoice:
     if accelerator.is_main_process:  # once, not once per rank
         logger.info("odc_hf: attention %s (%s); packed rows train %s as defined (checked in %.2f s)", name, reason,
                     verdict.family, verdict.seconds)  # fmt: skip
+        dropout = dropout_settings(model)
+        if dropout:
+            logger.warning("odc_hf: %s trains with dropout %s (its config): each step is random, so a run agrees with "
+                           "another (TRL's, or odc_hf's on other ranks) in distribution, not bit for bit; set them to "
+                           "0.0 to compare runs exactly", verdict.family, dropout)  # fmt: skip
         if name in ("sdpa", "eager"):
             logger.warning(
                 "odc_hf packs several documents per microbatch; with attn_implementation=%r transformers isolates "

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from odc_hf.balance.memory import GIB, describe_checkpointing
 from odc_hf.integrations.transformers_version import apply_liger_kernel
+from odc_hf.integrations import definition_check
 
 logger = logging.getLogger(__name__)
 
@@ -311,6 +312,10 @@ def setup(trainer) -> ComputePath:
         path.loss = FULL_LOGITS
     elif kernels == "liger":
         path.loss = LIGER_FLCE
+    elif (problem := definition_check.fused_head_problem(model)) is not None:
+        path.loss = FULL_LOGITS  # the model's own loss: TRL's fused head does not give it for this family
+        if trainer.accelerator.is_main_process:
+            logger.info("odc_hf: the model's own loss (full logits), because %s", problem)
     elif install_fused_head(model):
         path.loss, path.fused_by_odc = TRL_FUSED_HEAD, True
     if kernels == "liger":

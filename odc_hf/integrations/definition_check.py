@@ -418,3 +418,68 @@ def verify_router_loss(model) -> None:
             f"odc_hf would not train this model's Mixture-of-Experts router loss as it is defined: {problem}. What "
             "works: ODCTrainer (transformers' Trainer: the model's own router loss), or router_aux_loss_coef=0.0 in "
             "the trainer's config (no router loss)")  # fmt: skip
+
+
+def dropout_settings(model) -> dict[str, float]:
+    """The config's dropout probabilities above 0 (``attention_dropout``, ``resid_pdrop``, ...): training is then
+    random, applied per document as the model defines it, and two runs (ODC's and TRL's) agree in distribution, not
+    bit for bit."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    text = base.config.get_text_config()
+    return {name: value for name, value in vars(text).items()
+            if "drop" in name and isinstance(value, float) and value > 0}  # fmt: skip
+
+
+FUSED_HEAD_TOLERANCE = 1e-5
+"""Relative difference between TRL's fused LM head loss and the model's own loss that counts as float noise (fp32)."""
+_fused_verdicts: dict = {}
+
+
+def fused_head_problem(model) -> str | None:
+    """Why TRL's fused LM head (``add_fused_lm_head``: the loss SFTTrainer computes, and ODCTrainer's default) does not
+    give this family's own loss, or None: it fails on the family's outputs, or its loss differs from the model's own
+    (final-logit soft-capping, logit scaling, ...). Checked on the probe (a small copy); cached per class and config."""
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError:  # trl < 1.16: no fused head
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(getattr(base, "config", None), "to_json_string"):  # not a transformers model: nothing to compare
+        return None
+    key = (type(base), base.config.to_json_string(use_diff=False))
+    if key in _fused_verdicts:
+        return _fused_verdicts[key]
+    family = str(_get(base.config, "model_type") or type(base).__name__)
+    problem = None
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        try:
+            probe_cfg = probe_config(base.config)
+            probe = type(base)(probe_cfg).float().eval()
+        except Exception:  # noqa: BLE001 - no small copy: nothing to check it on without touching the model
+            _fused_verdicts[key] = None
+            return None
+        vocab = int(_get(probe_cfg.get_text_config(), "vocab_size") or 512)
+        ids = torch.randint(3, max(min(vocab, 512), 4), (1, sum(PROBE_DOCUMENTS)))
+        own = probe(input_ids=ids, labels=ids, use_cache=False).loss
+        try:
+            add_fused_lm_head(probe)
+            fused = probe(input_ids=ids, labels=ids, use_cache=False, fused_lm_head=True).loss
+        except Exception as error:  # noqa: BLE001 - TRL's head cannot run this family
+            problem = f"TRL's fused LM head fails on {family}: {type(error).__name__}: {error}"
+        else:
+            difference = float((fused - own).abs() / own.abs().clamp_min(1e-12))
+            if difference > FUSED_HEAD_TOLERANCE:
+                problem = f"TRL's fused LM head's loss differs from {family}'s own by {difference:.1e} (relative)"
+    _fused_verdicts[key] = problem
+    return problem
+
+
+def verify_fused_head(model) -> None:
+    """Raise :class:`DefinitionMismatch` when a trainer whose loss is TRL's fused LM head (SFTTrainer) cannot train
+    ``model``'s loss as it is defined (:func:`fused_head_problem`)."""
+    problem = fused_head_problem(model)
+    if problem is not None:
+        raise DefinitionMismatch(
+            f"odc_hf would not train this model's loss as it is defined: {problem}; TRL's SFTTrainer computes its loss "
+            "there too. What works: ODCTrainer (transformers' Trainer: odc_hf then keeps the model's own loss)")  # fmt: skip

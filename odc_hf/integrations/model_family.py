@@ -88,7 +88,9 @@ def refusal(model, masked: bool = False) -> str | None:
                 "with attn_implementation='sdpa' (transformers' own masks over packed rows)")  # fmt: skip
     if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:
         return f"{family} is configured for bidirectional attention; odc_hf trains causal language models"
-    other = sorted({t for t in getattr(text, "layer_types", None) or () if t not in ATTENTION_LAYER_TYPES})
+    # chunked-attention layers are attention layers whose chunks live in transformers' masks (checked above)
+    attention_types = ATTENTION_LAYER_TYPES + (("chunked_attention",) if masked else ())
+    other = sorted({t for t in getattr(text, "layer_types", None) or () if t not in attention_types})
     if other:
         return (f"{family} has layers of type {other}: they are not attention layers, so nothing keeps the documents "
                 "of a packed row apart in them. odc_hf trains families whose layers are all attention layers "

@@ -125,6 +125,8 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
         self.odc_attention_choice = choose_attention(self)
+        if self.odc_base_fused_head():  # SFTTrainer's loss is TRL's fused LM head: the family's own loss, or refused
+            definition_check.verify_fused_head(self.accelerator.unwrap_model(self.model))
         if getattr(self, "aux_loss_enabled", False):  # TRL's router loss (SFT, GRPO): the family's own, or refused
             definition_check.verify_router_loss(self.accelerator.unwrap_model(self.model))
         if self.odc_compute_path:
