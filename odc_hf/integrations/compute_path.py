@@ -27,8 +27,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from odc_hf.balance.memory import GIB, describe_checkpointing
-from odc_hf.integrations.transformers_version import apply_liger_kernel
 from odc_hf.integrations import definition_check
+from odc_hf.integrations.transformers_version import apply_liger_kernel
 
 logger = logging.getLogger(__name__)
 
