@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks import report
+from odc_hf.integrations.compute_path import DEVICE_HEADROOM
 
 
 def _median(values):
@@ -30,6 +31,14 @@ def summarise_variant(result: dict, warmup: int) -> dict:
             "reserved_peak_gib": max((s.get("reserved_peak_gib") or 0 for s in steps), default=None),
             "alloc_retries": sum(s.get("retries") or 0 for s in steps[warmup:]),
             "steps_with_retries": sum(1 for s in steps[warmup:] if s.get("retries"))}  # fmt: skip
+
+
+def _predicted(path: dict) -> str:
+    """The activation-checkpointing plan's predicted peak and the memory it planned against (``auto`` on CUDA)."""
+    if path.get("predicted_peak_gib") is None:
+        return "-"
+    usable = path.get("device_gib")
+    return f"{path['predicted_peak_gib']:.1f}" + (f" ({usable * DEVICE_HEADROOM:.1f})" if usable else "")
 
 
 def loss_diffs(a: dict, b: dict) -> dict | None:
@@ -106,7 +115,7 @@ def render(payload: dict, analysis: dict, method: str) -> str:
         rows = []
         for name, s in a["summary"].items():
             if not s.get("ok"):
-                rows.append([name, f"failed: {s.get('error')}", *[""] * 7])
+                rows.append([name, f"failed: {s.get('error')}", *[""] * 8])
                 continue
             path = s.get("compute_path") or {}
             alloc = path.get("cuda_allocator") or {}
@@ -115,10 +124,11 @@ def render(payload: dict, analysis: dict, method: str) -> str:
                          f"{path.get('kernels', '-')}, {path.get('activation_checkpointing', '-')}", kind,
                          _f(s["tokens_per_s"], ".0f"), _f(s["median_step_s"]), s["warmup_step_s"],
                          f"{_f(s['peak_gib'], '.1f')} ({_f(s.get('reserved_peak_gib'), '.1f')})",
+                         _predicted(path),
                          f"{s.get('alloc_retries', '-')} ({s.get('steps_with_retries', '-')})"])  # fmt: skip
         lines += report.table(["variant", "attention", "compute path", "CUDA allocator", "tokens/s", "median step s",
-                               "warm-up steps s", "peak GiB (reserved)", "allocator retries (steps with any)"],
-                              rows, "llllrrlrr")  # fmt: skip
+                               "warm-up steps s", "peak GiB (reserved)", "predicted peak GiB (usable)",
+                               "allocator retries (steps with any)"], rows, "llllrrlrrr")  # fmt: skip
         lines += ["", "Ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in a["ratios"].items()), "",
                   "Per-step losses (max / median relative difference over steps): "
                   + ", ".join(f"{k}: {_f((v or {}).get('max_rel'), '.2e')} / {_f((v or {}).get('median_rel'), '.2e')}"

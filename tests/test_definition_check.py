@@ -173,10 +173,19 @@ def test_the_guard_lets_boundaries_through_and_leaves_other_forwards_alone():
 
 
 # -- router losses ----------------------------------------------------------------------------------------------------
-def test_a_router_loss_trl_cannot_compute_for_the_family_is_refused_by_name():
-    model = tiny(lambda: t.GraniteMoeForCausalLM(t.GraniteMoeConfig(**SIZE, num_local_experts=4, num_experts_per_tok=2,
-                                                                    router_aux_loss_coef=0.05)))  # fmt: skip
-    with pytest.raises(dc.DefinitionMismatch, match=r"config.num_experts, which GraniteMoeConfig \(granitemoe\)"):
+MOE = dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.05)
+
+
+@pytest.mark.parametrize("family,build", [
+    ("GraniteMoe", lambda: t.GraniteMoeForCausalLM(t.GraniteMoeConfig(**SIZE, **MOE))),
+    ("Phimoe", lambda: t.PhimoeForCausalLM(t.PhimoeConfig(**SIZE, **MOE))),
+    ("JetMoe", lambda: t.JetMoeForCausalLM(t.JetMoeConfig(
+        **{k: v for k, v in SIZE.items() if k not in ("num_attention_heads", "intermediate_size")}, kv_channels=8,
+        **MOE))),
+])  # fmt: skip
+def test_a_router_loss_trl_cannot_compute_for_the_family_is_refused_by_name(family, build):
+    model = tiny(build)
+    with pytest.raises(dc.DefinitionMismatch, match=rf"config.num_experts, which {family}Config \("):
         dc.verify_router_loss(model)
 
 

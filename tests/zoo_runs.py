@@ -415,6 +415,8 @@ def largest_difference(ours: list[dict], reference: list[dict], keys=("loss", "g
 
 # -- GRPO on fixed rollouts -------------------------------------------------------------------------------------------
 GRPO_STEPS, GENERATIONS, PROMPTS = 2, 4, 2  # per step: 2 prompts x 4 completions, one microbatch of 8 rows
+GRPO_SPLIT_TOKENS = 256
+"""Token budget of ODC's packed GRPO microbatches in the split runs (8 rows of ~60-110 tokens: 3 or more microbatches)."""
 
 
 def rollouts(tokenizer):
@@ -436,9 +438,11 @@ def rollouts(tokenizer):
     return rollout
 
 
-def grpo_run(name: str, out, trainer: str) -> dict:
+def grpo_run(name: str, out, trainer: str, split: bool = False) -> dict:
     """TRL's GRPOTrainer (padded rows, the model's own attention) or ODCGRPOTrainer (packed rows, odc_hf's attention)
-    in one process, ``GRPO_STEPS`` steps of one microbatch each on the same rollouts."""
+    in one process, ``GRPO_STEPS`` steps on the same rollouts: one microbatch each, or with ``split`` several (TRL:
+    2 microbatches of 4 rows; odc_hf: packed rows of at most ``GRPO_SPLIT_TOKENS`` tokens, so their dealing differs
+    from TRL's, which a loss normalised over the whole generation batch does not see; a router loss would)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -448,8 +452,8 @@ def grpo_run(name: str, out, trainer: str) -> dict:
     tokenizer = default_tokenizer()
     prompts = [doc[:120] for doc in default_documents(seed=SEED)[: GRPO_STEPS * PROMPTS]]
     rows = GENERATIONS * PROMPTS
-    args = GRPOConfig(output_dir=str(out), max_steps=GRPO_STEPS, per_device_train_batch_size=rows,
-                      gradient_accumulation_steps=1, num_generations=GENERATIONS, max_completion_length=64,
+    args = GRPOConfig(output_dir=str(out), max_steps=GRPO_STEPS, per_device_train_batch_size=rows // 2 if split else rows,
+                      gradient_accumulation_steps=2 if split else 1, num_generations=GENERATIONS, max_completion_length=64,
                       learning_rate=3e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                       max_grad_norm=1.0, beta=0.0, seed=SEED, logging_steps=1, save_strategy="no", report_to="none",
                       bf16=False, use_cpu=True, disable_tqdm=True, shuffle_dataset=False)  # fmt: skip
@@ -457,7 +461,8 @@ def grpo_run(name: str, out, trainer: str) -> dict:
                   args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
                   rollout_func=rollouts(tokenizer))  # fmt: skip
     if trainer == "odc":
-        run = ODCGRPOTrainer(**kwargs, odc_config=ODCConfig(grpo_layout="packed", max_tokens_per_microbatch=4096))
+        budget = GRPO_SPLIT_TOKENS if split else 4096
+        run = ODCGRPOTrainer(**kwargs, odc_config=ODCConfig(grpo_layout="packed", max_tokens_per_microbatch=budget))
     else:
         run = GRPOTrainer(**kwargs)
     run.train()
