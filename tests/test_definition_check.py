@@ -270,3 +270,22 @@ def test_odc_trainer_keeps_the_models_own_loss_where_trls_fused_head_does_not_gi
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == zoo_runs.STEPS and all(loss > 0 for loss in losses), losses
+
+
+def test_the_grpo_trainer_refuses_a_family_trls_fused_head_cannot_score(tmp_path, monkeypatch):
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from odc_hf import ODCGRPOTrainer
+    from odc_hf.testing.data import default_tokenizer
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    tokenizer = default_tokenizer()
+    model = tiny(lambda: t.Llama4ForCausalLM(t.Llama4TextConfig(**dict(SIZE, vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id), intermediate_size_mlp=64, head_dim=8, num_local_experts=2,
+        attention_chunk_size=None)))  # fmt: skip
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_steps=1,
+                      use_cpu=True, report_to="none", router_aux_loss_coef=0.0)  # fmt: skip
+    with pytest.raises(dc.DefinitionMismatch, match="TRL's fused LM head fails on llama4_text"):
+        ODCGRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                       train_dataset=Dataset.from_dict({"prompt": ["a b c"] * 8}), processing_class=tokenizer)  # fmt: skip

@@ -298,7 +298,11 @@ def save_final_weights(trainer, out) -> None:
     tensors in ``out/final_weights.pt``, written by the main process."""
     from pathlib import Path
 
+    from torch.distributed.tensor import DTensor
+
     state = trainer.accelerator.get_state_dict(trainer.model)
+    # a sharded tensor is gathered by every rank, in the same (sorted) order
+    state = {k: (state[k].full_tensor() if isinstance(state[k], DTensor) else state[k]) for k in sorted(state)}
     if trainer.accelerator.is_main_process:
         Path(out).mkdir(parents=True, exist_ok=True)
         torch.save({k: v.detach().float().cpu() for k, v in state.items()}, Path(out) / FINAL_WEIGHTS)

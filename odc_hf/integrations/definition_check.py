@@ -476,10 +476,10 @@ def fused_head_problem(model) -> str | None:
 
 
 def verify_fused_head(model) -> None:
-    """Raise :class:`DefinitionMismatch` when a trainer whose loss is TRL's fused LM head (SFTTrainer) cannot train
+    """Raise :class:`DefinitionMismatch` when a trainer whose loss is TRL's fused LM head (SFT, GRPO) cannot train
     ``model``'s loss as it is defined (:func:`fused_head_problem`)."""
     problem = fused_head_problem(model)
     if problem is not None:
         raise DefinitionMismatch(
-            f"odc_hf would not train this model's loss as it is defined: {problem}; TRL's SFTTrainer computes its loss "
-            "there too. What works: ODCTrainer (transformers' Trainer: odc_hf then keeps the model's own loss)")  # fmt: skip
+            f"odc_hf would not train this model's loss as it is defined: {problem}; TRL's SFTTrainer and GRPOTrainer "
+            "compute their losses with that head too. What works: ODCTrainer (transformers' Trainer: odc_hf then keeps the model's own loss)")  # fmt: skip

@@ -359,6 +359,9 @@ class _GRPOPart:
                 del metrics[key][appended.get(key, 0) :]
 
     # -- once-per-step metrics ------------------------------------------------------------------------
+    def odc_trl_loss_head(self) -> bool:  # GRPOTrainer scores completions with TRL's fused LM head
+        return True
+
     def odc_before_bundle(self):
         self.odc_slice_metrics = SliceMetrics(self.odc_folded_accumulation, self.beta)
         metrics = self._metrics["train"]

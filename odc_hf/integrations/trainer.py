@@ -125,7 +125,7 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
         self.odc_attention_choice = choose_attention(self)
-        if self.odc_base_fused_head():  # SFTTrainer's loss is TRL's fused LM head: the family's own loss, or refused
+        if self.odc_trl_loss_head():  # the loss is TRL's fused LM head (SFT, GRPO): the family's own loss, or refused
             definition_check.verify_fused_head(self.accelerator.unwrap_model(self.model))
         if getattr(self, "aux_loss_enabled", False):  # TRL's router loss (SFT, GRPO): the family's own, or refused
             definition_check.verify_router_loss(self.accelerator.unwrap_model(self.model))
@@ -344,6 +344,11 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
     def odc_base_fused_head(self) -> bool:
         """Hook: True where the base trainer's ``compute_loss`` runs TRL's fused LM head itself (SFTTrainer)."""
         return False
+
+    def odc_trl_loss_head(self) -> bool:
+        """Hook: True where the base trainer computes its loss (or log-probabilities) with TRL's fused LM head, which
+        it installs itself (SFTTrainer, GRPOTrainer)."""
+        return self.odc_base_fused_head()
 
     def odc_base_loss_is_plain(self) -> bool:
         """Whether the trainer below the mixin computes the loss as ``transformers.Trainer`` does (the model's own)."""
