@@ -271,6 +271,20 @@ def check_definition(model, implementation: str, *, sdpa: bool = True) -> Verdic
     return check_class(type(base), base.config, implementation, sdpa=sdpa, instance=base)
 
 
+PROBE_PARAMETER_LIMIT = 100_000_000
+"""A config whose small copy would still be larger (sub-configs the shrinking does not reach) is checked on the model
+itself instead."""
+
+
+def _build_probe(cls, probe_cfg):
+    """The small copy, seeded by the caller; counted on the meta device first, so an unshrunk config is never built."""
+    with torch.device("meta"):
+        size = sum(p.numel() for p in cls(probe_cfg).parameters())
+    if size > PROBE_PARAMETER_LIMIT:
+        raise ValueError(f"its small copy would have {size / 1e6:.0f}M parameters")
+    return cls(probe_cfg).float().eval()
+
+
 def check_class(cls, config, implementation: str, *, sdpa: bool = True, instance=None) -> Verdict:
     """:func:`check_definition` for a model class and its config (the probe is built from them). When no small copy
     can be built, the check runs on ``instance`` (the model itself, put back as it was) if given."""
@@ -296,7 +310,7 @@ def check_class(cls, config, implementation: str, *, sdpa: bool = True, instance
         torch.manual_seed(0)
         try:
             probe_cfg = probe_config(config)
-            probe = cls(probe_cfg).float().eval()
+            probe = _build_probe(cls, probe_cfg)
             outcome = _compare(probe, trained, reference, varlen, PROBE_DOCUMENTS, bool(_windows(probe_cfg)))
             where = "a small copy"
         except DefinitionMismatch:
@@ -386,7 +400,7 @@ def router_loss_problem(model) -> str | None:
         torch.manual_seed(0)
         try:
             probe_cfg = probe_config(base.config)
-            probe = type(base)(probe_cfg).float().eval()
+            probe = _build_probe(type(base), probe_cfg)
         except Exception:  # noqa: BLE001 - no small copy: the model itself
             probe, probe_cfg = base, base.config
         vocab = int(_get(probe_cfg.get_text_config(), "vocab_size") or 512)
@@ -455,7 +469,7 @@ def fused_head_problem(model) -> str | None:
         torch.manual_seed(0)
         try:
             probe_cfg = probe_config(base.config)
-            probe = type(base)(probe_cfg).float().eval()
+            probe = _build_probe(type(base), probe_cfg)
         except Exception:  # noqa: BLE001 - no small copy: nothing to check it on without touching the model
             _fused_verdicts[key] = None
             return None
