@@ -7,7 +7,7 @@
     python examples/grpo.py --trainer trl        # TRL's GRPOTrainer (collectives), for A/B runs
 
 Defaults need no network: a tiny Qwen2-architecture model built from a config, a byte-level BPE trained on the
-Python standard library's sources, and arithmetic prompts ("17 + 25 =") scored by a programmatic reward (the
+shipped snapshot of the Python standard library's sources, and arithmetic prompts ("17 + 25 =") scored by a programmatic reward (the
 answer, with partial credit for digits, so that a random model's completions still differ in reward).
 ``--fixed_rollouts`` replaces generation by deterministic completions of long-tailed lengths (TRL's public
 ``rollout_func``): both trainers then train on the same rollouts, which the parity test compares step by step.

@@ -10,7 +10,8 @@
         examples/sft.py ...             # 2 nodes x 8 GPUs (HSDP), on each node: docs/multi_node.md
 
 Defaults need no network: a tiny Qwen2-architecture model built from a config, a byte-level BPE trained on the
-Python standard library's sources, and those sources as documents (a naturally long-tailed length mix).
+snapshot of the Python standard library's sources shipped with odc_hf (the same on every Python build), and those
+sources as documents (a naturally long-tailed length mix).
 ``--workload longalign|swe_smith|tulu`` instead draws synthetic sample lengths from odc_hf.prediction.workloads (random
 tokens: throughput needs no real text). Prints a summary (loss, tokens/s, bubble rate) at the end.
 """

@@ -154,3 +154,39 @@ def test_tiny_qwen2_model_forward_and_seeding(tok):
     weights = model.state_dict()
     assert all(torch.equal(weights[k], same[k]) for k in weights)
     assert not torch.equal(weights["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+def test_corpus_is_the_shipped_snapshot_on_any_python_build(monkeypatch, tmp_path):
+    """The default documents come from the file shipped in odc_hf/assets, checked by its digest, never from the running
+    interpreter's standard library (whose files differ between CPython builds, e.g. Debian's 3.11.2 and 3.11.7)."""
+    from odc_hf.testing import corpus
+
+    docs = corpus.corpus_documents()
+    assert len(docs) == 598 and corpus.corpus_digest(docs) == corpus.CORPUS_SHA256
+    assert corpus.CORPUS_SHA256 == "c686bf778a14a1ec9af6dc4bf7bd1b78912ba273286681b168f312f5e4cf497b"
+    first = data.default_documents(20, seed=0)
+    # Control: an interpreter whose stdlib is an empty directory. The old reader (which walked sysconfig's stdlib)
+    # fails here; the shipped snapshot gives the same documents.
+    import sysconfig
+
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(tmp_path)})
+    corpus.corpus_documents.cache_clear()
+    assert data.default_documents(20, seed=0) == first
+    assert corpus._read_stdlib(str(tmp_path)) == []  # what reading the interpreter would have given
+
+
+def test_damaged_corpus_is_refused_with_its_name(monkeypatch, tmp_path):
+    import lzma
+
+    from odc_hf.testing import corpus
+
+    damaged = tmp_path / "corpus.json.xz"
+    with lzma.open(damaged, "wt", encoding="utf-8") as f:
+        f.write('{"documents": [{"path": "a.py", "text": "x = 1\\n"}]}')
+    monkeypatch.setattr(corpus, "CORPUS_FILE", damaged)
+    corpus.corpus_documents.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"corpus\.json\.xz is damaged \(checksum differs\); reinstall"):
+            corpus.corpus_documents()
+    finally:
+        corpus.corpus_documents.cache_clear()

@@ -4,7 +4,8 @@
   (:func:`rank_device`, :func:`cuda_backend`, :func:`free_port`);
 - :mod:`.recipes`: :func:`accelerate_cpu` (``accelerate launch`` of this checkout on CPU) and a local model + data
   set where a recipe expects hub names (:func:`local_model_and_data`; ``python -m odc_hf.offline DIR``);
-- :mod:`.data`: the offline corpus (the Python standard library's sources), a byte-level BPE tokenizer trained on it
+- :mod:`.data`: the offline corpus (a shipped snapshot of the Python standard library's sources, :mod:`.corpus`),
+  a byte-level BPE tokenizer trained on it
   and tiny Qwen2 models: the main job's embedded defaults (``examples/sft.py``), not the training data path
   (:mod:`odc_hf.integrations.bundle`);
 - :mod:`.pretrained_tokenizer`: Qwen2.5's pretrained tokenizer, offline (the ``test`` extra).

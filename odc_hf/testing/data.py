@@ -1,15 +1,15 @@
 """Offline default data for the main job and tests: text, a tokenizer and a tiny model, no downloads.
 
-The corpus is the Python standard library's own ``.py`` sources. They ship with every Python install, so
-a fresh machine with no network has them, and they are real text (code, docstrings, comments) with a
+The corpus is a fixed snapshot of the Python standard library's own ``.py`` sources, shipped with odc_hf
+(:mod:`.corpus`), so a fresh machine with no network has it, every Python build reads the same documents, and
+they are real text (code, docstrings, comments) with a
 naturally long-tailed length distribution (a few hundred characters for small modules, ~10k median,
 hundreds of thousands for the largest): a few long documents dominate the compute of a batch, which is
 the imbalance ODC's load balancing addresses. Uniform synthetic text would show nothing.
 
 The tokenizer is a byte-level BPE trained at run time on a fixed subset of that corpus (1-2 s on one
 CPU core). Training is deterministic, and the result is cached on disk keyed by a hash of the training
-text, so every rank of a job, and every run, sees the same vocabulary. The document set comes from the
-installed Python, so different Python versions give different (cached separately) tokenizers.
+text, so every rank of a job, and every run, sees the same vocabulary, on any Python build.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import hashlib
 import os
 import random
 import re
-import sysconfig
 import warnings
 from pathlib import Path
 
@@ -29,6 +28,8 @@ import datasets
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .corpus import corpus_documents
 
 try:
     import fcntl
@@ -47,8 +48,6 @@ __all__ = [
 
 EOS_TOKEN, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
-# Test suites, the IDLE GUI, third-party packages and the retired 2to3 tool are not "the library".
-_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
 # Tokenizer training text: the first documents of default_documents(seed=0), each cut to this many
 # characters (so one huge file cannot dominate the merges) until the budget is reached (~390 files).
 _TRAIN_DOC_CHARS, _TRAIN_BUDGET_CHARS = 20_000, 4_000_000
@@ -63,36 +62,14 @@ CHAT_TEMPLATE = (
 )
 
 
-@functools.lru_cache(maxsize=1)
-def _stdlib_sources() -> tuple[str, ...]:
-    """All usable stdlib ``.py`` files' text, in sorted relative-path order (read once per process)."""
-    root = sysconfig.get_paths()["stdlib"]
-    paths = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]  # prune: never walk site-packages
-        paths += [os.path.relpath(os.path.join(dirpath, f), root) for f in filenames if f.endswith(".py")]
-    texts = []
-    for rel in sorted(p.replace(os.sep, "/") for p in paths):
-        try:
-            with open(os.path.join(root, rel), encoding="utf-8") as f:
-                text = f.read()
-        except (UnicodeDecodeError, OSError):
-            continue
-        if text.strip():
-            texts.append(text)
-    if not texts:
-        raise RuntimeError(f"no readable .py sources under the stdlib directory {root} (zipped stdlib?)")
-    return tuple(texts)
-
-
 def default_documents(max_documents: int | None = None, *, seed: int = 0) -> list[str]:
-    """The standard library's ``.py`` sources as documents, shuffled with ``random.Random(seed)``.
+    """The shipped standard-library ``.py`` sources as documents, shuffled with ``random.Random(seed)``.
 
     Why these: they need no download and have long-tailed lengths (see the module docstring). The order
-    is deterministic for a given Python install and seed: files are read in sorted relative-path order
-    and then shuffled; ``max_documents`` keeps the first ones after the shuffle.
+    depends on the seed only: the snapshot is stored in sorted source-path order and then shuffled;
+    ``max_documents`` keeps the first ones after the shuffle.
     """
-    docs = list(_stdlib_sources())
+    docs = list(corpus_documents())
     random.Random(seed).shuffle(docs)
     return docs if max_documents is None else docs[:max_documents]
 
@@ -155,7 +132,7 @@ def _load_or_train(path: Path, texts: list[str], vocab_size: int):
 def default_tokenizer(
     vocab_size: int = 4096, *, cache_dir: str | None = None
 ) -> transformers.PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on stdlib sources (a second or two), cached on disk.
+    """A byte-level BPE tokenizer trained on the shipped corpus (a second or two), cached on disk.
 
     ``<|endoftext|>`` is eos and pad, ``<|im_start|>``/``<|im_end|>`` frame ChatML turns (the chat
     template), there is no bos. The trained JSON lives in ``<cache_dir>/tokenizer-<vocab_size>-<hash of
@@ -199,7 +176,7 @@ def default_conversations(num_samples: int = 64, *, max_chars: int = 1500, seed:
 
     From the standard library's modules with a docstring: the user shows the first lines of a module's code after
     its docstring (up to ~``max_chars / 3`` characters) and asks for the docstring; the assistant answers with it
-    (cut to ``max_chars``). Both sides are text that ships with Python; cycled when fewer modules qualify.
+    (cut to ``max_chars``). Both sides are text of the shipped corpus; cycled when fewer modules qualify.
     """
     pairs = []
     for doc in default_documents(seed=seed):
@@ -218,14 +195,14 @@ def default_conversations(num_samples: int = 64, *, max_chars: int = 1500, seed:
         if len(pairs) == num_samples:
             break
     if not pairs:
-        raise RuntimeError("no stdlib module with a docstring was found")
+        raise RuntimeError("no corpus module with a docstring was found")
     return [pairs[i % len(pairs)] for i in range(num_samples)]
 
 
 def _samples(num_samples: int, min_chars: int, max_chars: int | None, seed: int) -> list[str]:
     docs = [d[:max_chars] for d in default_documents(seed=seed) if len(d) >= min_chars]
     if not docs:
-        raise ValueError(f"no stdlib document has at least min_chars={min_chars} characters")
+        raise ValueError(f"no corpus document has at least min_chars={min_chars} characters")
     return [docs[i % len(docs)] for i in range(num_samples)]
 
 
