@@ -157,3 +157,42 @@ def test_ci_fails_when_any_step_of_the_readme_command_fails(tmp_path, failing):
     else:
         assert proc.returncode == 3, (proc.returncode, proc.stderr, calls)
         assert not any("newest_releases" in c for c in calls), calls
+
+
+def _lock_differences(pins: dict[str, str], installed: dict[str, str]) -> list[str]:
+    """Every locked package whose installed version is not the pinned one (local labels such as +cpu ignored)."""
+    out = []
+    for name, pinned in sorted(pins.items()):
+        have = installed.get(name)
+        if have is None:
+            out.append(f"{name}: locked {pinned}, not installed")
+        elif have.split("+")[0] != pinned:
+            out.append(f"{name}: locked {pinned}, installed {have}")
+    return out
+
+
+def _installed() -> dict[str, str]:
+    from importlib import metadata
+
+    return {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version for d in metadata.distributions()}
+
+
+def test_lock_differences_name_each_package_that_differs():
+    """Control for the check below: a drifted or missing package is reported by name with both versions."""
+    pins = {"torch": "2.13.0", "trl": "1.16.0", "six": "1.16.0"}
+    assert _lock_differences(pins, {"torch": "2.13.0+cpu", "trl": "1.16.0", "six": "1.16.0"}) == []
+    assert _lock_differences(pins, {"torch": "2.13.0", "trl": "1.17.0"}) == [
+        "six: locked 1.16.0, not installed",
+        "trl: locked 1.16.0, installed 1.17.0",
+    ]
+
+
+def test_the_installed_versions_are_the_lock():
+    """CI installs through the lock (README command 2); this fails, naming each package, when what is installed is
+    not what the lock says (a release that slipped past ``-c``, a package installed by hand). Machines whose torch is
+    not the lock's (the GPU image's own torch build) are not lock installs and are skipped with that reason."""
+    pins, installed = _lock(), _installed()
+    if installed.get("torch", "").split("+")[0] != pins["torch"]:
+        pytest.skip(f"torch {installed.get('torch')} is not the lock's {pins['torch']}: not a lock install")
+    differences = _lock_differences(pins, installed)
+    assert not differences, "installed versions differ from tests/constraints.txt:\n" + "\n".join(differences)
