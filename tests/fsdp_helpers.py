@@ -178,6 +178,7 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
         STARTED[m] = time.monotonic()
         if delays is not None:
             time.sleep(delays[rank])
+        first_pushed = None  # wall-clock time this rank's first microbatch had pushed its gradients (CPU: in backward)
         with guard:
             for i, (ids, w) in enumerate(zip(mine, weights)):
                 if fail_rank == rank and m == 1 and i == 0:
@@ -186,6 +187,11 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
                         os._exit(3)
                     raise RuntimeError("data loader exploded")
                 (loss_sum(model, ids) * w / total).backward()
+                first_pushed = time.time() if first_pushed is None else first_pushed
+        pushed_at = None
+        if delays is not None:  # the order the ranks' first pushes happened in, so a test can show it was forced
+            pushed_at = [None] * world_size
+            dist.all_gather_object(pushed_at, first_pushed)
         if odc is not None:
             if mesh_shape is not None:
                 check_partial_reduce_outputs(odc)
@@ -196,7 +202,8 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
         opt.step()
         opt.zero_grad()
         record.append({"grads": grads, "norm": norm, "params": snapshot(model, grads=False), "tokens": total,
-                       "counts": schedule(counts, m), "odc": odc.describe() if odc is not None else None})  # fmt: skip
+                       "counts": schedule(counts, m), "odc": odc.describe() if odc is not None else None,
+                       "pushed_at": pushed_at})  # fmt: skip
         if save_after == m:
             save_checkpoint(model, opt, checkpoint_dir)
     if odc is not None:

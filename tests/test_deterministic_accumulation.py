@@ -83,4 +83,12 @@ def test_forced_push_orders_give_the_same_bits_on_the_cpu_transport():
     a = run_ranks(forward, 2, (3, 1), 2, "odc", "fp32")[0]
     b = run_ranks(backward, 2, (3, 1), 2, "odc", "fp32")[0]
     assert a[0]["odc"].startswith("CPU shared-memory transport, deterministic slots"), a[0]["odc"]
+    # the orders really were opposite: rank 0's first push came first in every minibatch of a, last in every one of b
+    assert all(step["pushed_at"][0] < step["pushed_at"][1] for step in a), [s["pushed_at"] for s in a]
+    assert all(step["pushed_at"][1] < step["pushed_at"][0] for step in b), [s["pushed_at"] for s in b]
     assert _identical(_bits(a), _bits(b))
+    # control: the comparison sees a one-bit difference (a gradient nudged by one ulp is not "identical")
+    nudged = [{kind: dict(step[kind]) for kind in ("grads", "params")} for step in _bits(b)]
+    name = next(iter(nudged[0]["grads"]))
+    nudged[0]["grads"][name] = torch.nextafter(nudged[0]["grads"][name], torch.tensor(float("inf")))
+    assert not _identical(_bits(a), nudged)
