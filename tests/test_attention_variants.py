@@ -5,6 +5,8 @@ does not know is refused by name, and the arguments every model's forward passes
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -43,10 +45,12 @@ def _logits_and_grads(model, forward):
     return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-@pytest.mark.parametrize("block", [variants.BLOCK, 8])
+@pytest.mark.parametrize("block", [variants.BLOCK, 8, 13, 17])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_packed_row_equals_each_document_alone_through_the_models_own_attention(name, block, monkeypatch):
-    monkeypatch.setattr(variants, "BLOCK", block)  # 8: documents longer than the window run in several query blocks
+    # 8 (raised to the window, 12), 13 and 17: documents longer than the window run in several query blocks; 13 and 17
+    # put block edges where no window edge is, so a window off by one at a block edge shows
+    monkeypatch.setattr(variants, "BLOCK", block)
     model = _model(name)
     docs = [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
     reference = _logits_and_grads(model, lambda: torch.cat([model(input_ids=d[None], use_cache=False).logits[0]
@@ -62,6 +66,14 @@ def test_a_packed_row_equals_each_document_alone_through_the_models_own_attentio
     torch.testing.assert_close(ours[0], reference[0], rtol=0, atol=1e-5 * float(reference[0].abs().max()))
     for a, b in zip(ours[1], reference[1], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
+    # broken twins: the same row without its boundaries (documents attend to each other), and with the window dropped
+    bound = 1e-5 * float(reference[0].abs().max())
+    unbounded = {k: v for k, v in packed.items() if not k.startswith(("cu_seq", "max_length"))}
+    assert float((model(**unbounded).logits[0].detach() - reference[0]).abs().max()) > 100 * bound
+    real = variants.take_variant
+    monkeypatch.setattr(variants, "take_variant", lambda *a, **k: dataclasses.replace(real(*a, **k), window=None))
+    monkeypatch.setattr(odc_hf.attention, "take_variant", variants.take_variant)
+    assert float((model(**packed).logits[0].detach() - reference[0]).abs().max()) > 100 * bound
 
 
 def test_an_attention_argument_odc_hf_does_not_apply_is_refused_by_name():
