@@ -262,6 +262,7 @@ def test_an_nccl_group_is_refused_where_the_store_would_not_outlive_it(monkeypat
     with pytest.raises(RuntimeError, match="NCCL refuses two ranks on one GPU.*torchrun.*ddp_backend='gloo'"):
         shared_gpu.settle_process_group({"LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "29500"})
     assert replaced == []
-    with pytest.raises(RuntimeError):  # the replacement is stubbed here: the group still says nccl afterwards
+    # the replacement is stubbed here: the group still says nccl afterwards, and check_backend says so
+    with pytest.raises(RuntimeError, match="the process group is nccl: NCCL refuses two ranks on one GPU"):
         shared_gpu.settle_process_group({"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": "29500"})
     assert replaced == [1]
