@@ -87,3 +87,22 @@ if __name__ == "__main__":
     for name, n in sorted(counts.items()):
         print(f"{n:4d} {name}", file=sys.stderr)
     sys.exit(1 if lines else 0)
+
+
+def test_every_directory_the_documented_commands_write_is_ignored_by_git():
+    """`--output_dir X`, `output/...` and `python -m odc_hf.offline X` in README, docs and examples: git ignores X."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    texts = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "examples").glob("*.py"))]
+    written = set()
+    for path in texts:
+        text = path.read_text()
+        written |= set(re.findall(r"--output_dir[ =]([A-Za-z0-9_.-]+)", text))
+        written |= set(re.findall(r"-m odc_hf\.offline ([a-z][A-Za-z0-9_.-]*)", text))
+        written |= {"output"} if re.search(r"\boutput/\w", text) else set()
+    assert {"out", "demo", "output"} <= written, written  # what the docs say today: the scan is not blind
+    ignored = {line.strip().strip("/") for line in (root / ".gitignore").read_text().splitlines()}
+    for name in sorted(written):  # a checkout need not be a git repository: .gitignore's own lines are read
+        assert name in ignored, f"{name}/ is written by a documented command but not in .gitignore"
