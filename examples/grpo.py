@@ -1,4 +1,4 @@
-"""GRPO with ODC through TRL's GRPOTrainer: generation without lockstep, rollouts rebalanced by cost.
+r"""GRPO with ODC through TRL's GRPOTrainer: generation without lockstep, rollouts rebalanced by cost.
 
     python examples/grpo.py                      # 2 processes: GPUs if there are 2+, else CPU; tiny offline default
     python examples/grpo.py --num_processes 1    # one process, on your GPU if there is one

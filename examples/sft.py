@@ -1,4 +1,4 @@
-"""SFT with ODC + LB-Mini through TRL's SFTTrainer: the main job.
+r"""SFT with ODC + LB-Mini through TRL's SFTTrainer: the main job.
 
     python examples/sft.py                  # 2 processes: GPUs if there are 2+, else CPU; tiny offline default
     python examples/sft.py --num_processes 1    # one process, on your GPU if there is one (docs/quickstart.md)
@@ -60,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--report_to", default="none")
     p.add_argument("--num_processes", type=int, default=2,
                    help="processes of `python examples/sft.py` (ignored under accelerate launch): 2 run ODC on 2+ "
-                        "GPUs, else on CPU; 1 runs here, on the GPU if there is one")  # fmt: skip
+                        "GPUs, share the GPU on a one-GPU machine, run on CPU without GPUs; 1 runs here, on the "
+                        "GPU if there is one")  # fmt: skip
     # ODC options (also settable as ODC_* environment variables)
     p.add_argument("--odc", choices=["on", "off"], default=None, help="off: FSDP2 collectives (A/B baseline)")
     p.add_argument("--balance", choices=["lb_mini", "lb_micro", "none"], default=None)

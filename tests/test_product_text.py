@@ -11,6 +11,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # what the product's text is: paths or globs relative to the repository root
@@ -106,3 +108,23 @@ def test_every_directory_the_documented_commands_write_is_ignored_by_git():
     ignored = {line.strip().strip("/") for line in (root / ".gitignore").read_text().splitlines()}
     for name in sorted(written):  # a checkout need not be a git repository: .gitignore's own lines are read
         assert name in ignored, f"{name}/ is written by a documented command but not in .gitignore"
+
+
+@pytest.mark.parametrize("example", ["sft.py", "grpo.py"])
+def test_example_help_prints_the_docstrings_command_lines_unjoined(example):
+    """`python examples/X --help` shows the docstring's multi-line commands as written: each line that ends with a
+    shell continuation keeps its backslash and its line break (a non-raw docstring eats both)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / example
+    continued = [line.rstrip() for line in path.read_text().split('"""')[1].splitlines() if line.rstrip().endswith("\\")]
+    assert continued, "the docstring shows no multi-line command: nothing to check"
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    shown = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=300,
+                           check=True, env=env).stdout.splitlines()  # fmt: skip
+    for line in continued:
+        assert line in [s.rstrip() for s in shown], f"{line!r} is not a line of --help"
