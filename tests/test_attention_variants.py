@@ -92,6 +92,35 @@ def test_what_every_models_forward_passes_down_is_not_refused():
     assert kwargs == {"scaling": 0.5, "is_causal": True}  # the rest was read or is inert
 
 
+_BUILD_ON_EAGER_VARLEN = """
+import sys, torch, transformers
+if sys.argv[1] == "import":
+    import odc_hf.attention
+config = transformers.GptOssConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                   num_experts_per_tok=2, layer_types=["full_attention"])
+model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager_varlen")
+model(input_ids=torch.tensor([[1, 2, 3]]))
+from odc_hf.attention import CALLS
+print("calls", sum(CALLS.values()))
+"""
+
+
 def test_eager_varlen_is_registered_for_families_without_sdpa():
-    assert odc_hf.attention.attention_of(_model("gpt_oss_window_sinks")) is None  # loaded on eager
+    """In a fresh interpreter, importing odc_hf.attention is what makes transformers accept ``"eager_varlen"`` for a
+    family without SDPA (GPT-OSS), and its forward then runs through odc_hf's function; without the import (the
+    control) transformers refuses the name."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    run = [sys.executable, "-c", _BUILD_ON_EAGER_VARLEN]
+    ours = subprocess.run([*run, "import"], capture_output=True, text=True, timeout=300, env=env)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert int(ours.stdout.split("calls")[-1]) > 0, ours.stdout
+    bare = subprocess.run([*run, "no-import"], capture_output=True, text=True, timeout=300, env=env)
+    assert bare.returncode != 0 and "eager_varlen" in bare.stderr, bare.stderr[-2000:]
     assert odc_hf.attention.VarlenAttention(eager=True).name == odc_hf.attention.EAGER_VARLEN_ATTENTION
