@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "transformers", "accelerate", "trl", "peft", "datasets", "tokenizers", "huggingface-hub", "vllm")
 GROUPS = {  # test group -> test files (each group runs in one pytest process)
-    "surface": ["tests/test_transformers_surface.py", "tests/test_grpo_trl_surface.py", "tests/test_fsdp_internals.py",
+    "surface": ["tests/test_transformers_surface.py", "tests/test_upstream_signatures.py", "tests/test_grpo_trl_surface.py", "tests/test_fsdp_internals.py",
                 "tests/test_version_policy.py", "tests/test_patch_trl.py"],
     "trainer parity": ["tests/test_trainer_sft_parity.py", "tests/test_grpo_parity.py", "tests/test_model_zoo.py"],
 }
@@ -60,7 +60,10 @@ def installed(python: str) -> dict[str, str]:
 
 def run_group(python: str, files: list[str], timeout: float) -> str:
     start = time.monotonic()
-    out = sh([python, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *files], timeout=timeout)
+    # this lane installs newer releases than the lock on purpose: the lock-equality check does not apply here
+    deselect = ["--deselect", "tests/test_version_policy.py::test_the_installed_versions_are_the_lock"]
+    out = sh([python, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *deselect, *files],
+             timeout=timeout)
     seconds = time.monotonic() - start
     summary = next((line.strip("= ") for line in reversed(out.stdout.splitlines()) if " in " in line), out.stderr[-200:])
     verdict = "pass" if out.returncode == 0 else ("timeout" if out.returncode == 124 else "FAIL")
