@@ -4,12 +4,12 @@ a missing name is refused by name."""
 
 from __future__ import annotations
 
-import re
 import warnings
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from odc_hf import version
 from odc_hf.integrations import transformers_version, trl_version, vllm_version
@@ -25,7 +25,7 @@ def _lock() -> dict[str, str]:
         if line:
             name, _, pinned = line.partition("==")
             assert pinned, f"tests/constraints.txt: {line!r} is not an exact pin"
-            pins[re.sub(r"[-_.]+", "-", name).lower()] = pinned
+            pins[canonicalize_name(name)] = pinned
     return pins
 
 
@@ -45,7 +45,7 @@ def test_the_lock_covers_every_requirement_of_the_test_install():
     requirements = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
     pins = _lock()
     for requirement in requirements:
-        name = re.sub(r"[-_.]+", "-", requirement.name).lower()
+        name = canonicalize_name(requirement.name)
         assert name in pins, f"{requirement.name} is required but not locked: run .ci/update_lock"
         assert requirement.specifier.contains(pins[name], prereleases=True), (requirement, pins[name])
 
@@ -174,7 +174,7 @@ def _lock_differences(pins: dict[str, str], installed: dict[str, str]) -> list[s
 def _installed() -> dict[str, str]:
     from importlib import metadata
 
-    return {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version for d in metadata.distributions()}
+    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
 
 
 def test_lock_differences_name_each_package_that_differs():

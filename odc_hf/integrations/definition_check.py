@@ -151,6 +151,14 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / scale)
 
 
+def _probe_ids(config, length: int, device=None) -> torch.Tensor:
+    """``(1, length)`` random token ids from the caller's (seeded) generator, below the first 512 of ``config``'s
+    vocabulary and above the ids special tokens usually take."""
+    vocab = int(_get(config, "vocab_size") or 512)
+    ids = torch.randint(3, max(min(vocab, 512), 4), (1, length))
+    return ids if device is None else ids.to(device)
+
+
 def _packed_inputs(ids: torch.Tensor, bounds: list[tuple[int, int]], documents: bool = True) -> dict:
     """The model's inputs for a packed row of ``bounds`` as odc_hf's collators build it; ``documents=False``: the
     same row with its boundaries removed (positions still restarting, one document of the whole row)."""
@@ -227,8 +235,7 @@ def _compare(model, trained: str, reference: str, varlen: str, lengths, windowed
     """(difference, control, layer, what, works) of ``model`` (its device and dtype) on a packed row of ``lengths``."""
     bounds = _document_bounds(lengths)
     device = next(model.parameters()).device
-    vocab = int(_get(model.config, "vocab_size") or 512)
-    ids = torch.randint(3, max(min(vocab, 512), 4), (1, bounds[-1][1])).to(device)
+    ids = _probe_ids(model.config, bounds[-1][1], device)
     family = model.config.model_type
     parameters = inspect.signature(model.forward).parameters
     if "cu_seq_lens_q" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
@@ -403,8 +410,7 @@ def router_loss_problem(model) -> str | None:
             probe = _build_probe(type(base), probe_cfg)
         except Exception:  # noqa: BLE001 - no small copy: the model itself
             probe, probe_cfg = base, base.config
-        vocab = int(_get(probe_cfg.get_text_config(), "vocab_size") or 512)
-        ids = torch.randint(3, max(min(vocab, 512), 4), (1, sum(PROBE_DOCUMENTS))).to(next(probe.parameters()).device)
+        ids = _probe_ids(probe_cfg.get_text_config(), sum(PROBE_DOCUMENTS), next(probe.parameters()).device)
         training = probe.training
         probe.eval()
         try:
@@ -473,8 +479,7 @@ def fused_head_problem(model) -> str | None:
         except Exception:  # noqa: BLE001 - no small copy: nothing to check it on without touching the model
             _fused_verdicts[key] = None
             return None
-        vocab = int(_get(probe_cfg.get_text_config(), "vocab_size") or 512)
-        ids = torch.randint(3, max(min(vocab, 512), 4), (1, sum(PROBE_DOCUMENTS)))
+        ids = _probe_ids(probe_cfg.get_text_config(), sum(PROBE_DOCUMENTS))
         own = probe(input_ids=ids, labels=ids, use_cache=False).loss
         try:
             add_fused_lm_head(probe)

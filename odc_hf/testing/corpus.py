@@ -29,9 +29,9 @@ CORPUS_SHA256 = "c686bf778a14a1ec9af6dc4bf7bd1b78912ba273286681b168f312f5e4cf497
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
 
 
-def corpus_digest(texts) -> str:
-    """SHA-256 over the documents, each hashed on its own (so document boundaries count)."""
-    digest = hashlib.sha256()
+def corpus_digest(texts, prefix: bytes = b"") -> str:
+    """SHA-256 over ``prefix`` and the documents, each hashed on its own (so document boundaries count)."""
+    digest = hashlib.sha256(prefix)
     for text in texts:
         digest.update(hashlib.sha256(text.encode("utf-8")).digest())
     return digest.hexdigest()

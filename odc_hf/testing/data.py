@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import functools
-import hashlib
 import os
 import random
 import re
@@ -29,7 +27,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .corpus import corpus_documents
+from .corpus import corpus_digest, corpus_documents
 
 try:
     import fcntl
@@ -141,11 +139,8 @@ def default_tokenizer(
     it atomically; ranks started at the same time wait and load it.
     """
     texts = _training_text()
-    digest = hashlib.sha256(_RECIPE.encode())
-    for text in texts:
-        digest.update(hashlib.sha256(text.encode("utf-8")).digest())
     root = cache_dir if cache_dir is not None else os.path.join(os.path.expanduser("~"), ".cache", "odc_hf")
-    path = Path(root) / f"tokenizer-{vocab_size}-{digest.hexdigest()[:16]}" / "tokenizer.json"
+    path = Path(root) / f"tokenizer-{vocab_size}-{corpus_digest(texts, _RECIPE.encode())[:16]}" / "tokenizer.json"
     backend = _load_or_train(path, texts, vocab_size)
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend,
