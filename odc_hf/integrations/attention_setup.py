@@ -31,6 +31,7 @@ from odc_hf.integrations.model_family import (
     check_packable,
     flash_attention_4_arguments,
     flash_attention_4_gap,
+    is_attention_layer,
     needs_of,
 )
 from odc_hf.integrations.transformers_version import (
@@ -98,8 +99,7 @@ low for every family. ``attention="auto"`` picks FA4 only at these."""
 def head_dims(model) -> list[int]:
     """The head dimensions of ``model``'s attention layers (modules named ``*Attention`` with an int ``head_dim``)."""
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
-    return [m.head_dim for m in modules
-            if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "head_dim", None), int)]  # fmt: skip
+    return [m.head_dim for m in modules if is_attention_layer(m)]
 
 
 def is_varlen(name: str | None) -> bool:

@@ -49,6 +49,11 @@ class FamilyNeeds:
         return [name for name in ("window", "softcap", "sinks") if getattr(self, name)]
 
 
+def is_attention_layer(module) -> bool:
+    """A model's attention layer, as odc_hf reads it: a module named ``*Attention`` with an int ``head_dim``."""
+    return type(module).__name__.endswith("Attention") and isinstance(getattr(module, "head_dim", None), int)
+
+
 def _base(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the transformers model
 

@@ -9,6 +9,7 @@ import torch
 
 from odc_hf.balance import CostModel, FlopCostModel, QuadraticCostModel, TokenCostModel
 from odc_hf.integrations.compute_path import ComputePath, check_recorded
+from odc_hf.integrations.model_family import is_attention_layer
 
 
 def cost_model(choice: str, model=None, compute: ComputePath | None = None) -> CostModel:
@@ -54,15 +55,11 @@ def flop_cost_model(model) -> FlopCostModel:
             elif param.dim() == 3:  # stacked experts (experts, out, in)
                 share = min(1.0, top_k / param.shape[0]) if top_k else 1.0 / param.shape[0]
                 matmul += int(param.numel() * share)
-    widths = [_attention_width(m, text) for m in base.modules() if _is_attention(m)]
+    widths = [_attention_width(m, text) for m in base.modules() if is_attention_layer(m)]
     widths = [w for w in widths if w]
     if not widths or matmul <= 0:
         return FlopCostModel.from_config(text)
     return FlopCostModel(num_matmul_params=matmul, num_layers=len(widths), attn_dim=max(1, round(sum(widths) / len(widths))))
-
-
-def _is_attention(module) -> bool:
-    return type(module).__name__.endswith("Attention") and isinstance(getattr(module, "head_dim", None), int)
 
 
 def _attention_width(module, config) -> int:
