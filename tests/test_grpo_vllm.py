@@ -24,9 +24,10 @@ tests/test_vllm_runs_stand_in.py.
 from __future__ import annotations
 
 import pytest
-from vllm_runs import compare, digit_reward, make_eos_prone, prompt_problems, reference_weights
+from vllm_runs import compare, digit_reward, prompt_problems, reference_weights
 
 from odc_hf.testing import run_ranks
+from odc_hf.testing.data import make_eos_prone
 
 STEPS = 3
 ENV = {

@@ -12,15 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "# the same on CPU and offline"
 
 
-def _documented_commands() -> list[str]:
-    """The CPU commands of the recipe block (from MARK to the block's end): one per logical line, comments dropped."""
+GRPO_MARK = "# GRPO on CPU and offline"
+
+
+def _documented_commands(mark: str = MARK) -> list[str]:
+    """The CPU commands of a recipe block (from ``mark`` to the block's end): one per logical line, comments dropped."""
     text = (ROOT / "docs" / "trl_recipes.md").read_text()
-    block = text[text.index(MARK) :].split("```", 1)[0]
+    block = text[text.index(mark) :].split("```", 1)[0]
     commands, current = [], ""
     for line in block.splitlines()[1:]:
         line = line.split(" # ", 1)[0].strip()
@@ -46,19 +50,77 @@ def test_the_documented_offline_cpu_recipe_runs_and_shows_odc_metrics(tmp_path, 
     launch = launch.replace(
         "accelerate launch", f"{sys.executable} -m accelerate.commands.launch --main_process_port 0"
     )
-    launch = launch.replace("accelerate_configs/", f"{ROOT}/accelerate_configs/")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-    proc = subprocess.run(
-        launch, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-6000:]
+    output = _launch_as_written(launch, tmp_path)
     logged = re.findall(
         r"\{'loss': .*?\}", output
     )  # one line per step (--logging_steps 1), ODC's metrics in it
     assert len(logged) == 3 and all("'odc/bubble_rate'" in line for line in logged), output[-3000:]
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def _launch_as_written(launch: str, cwd: Path) -> str:
+    """Run a documented ``accelerate launch`` line as written, but from this checkout and this interpreter, on a port
+    the OS picks (parallel jobs); returns its output, after checking it exited 0."""
+    launch = launch.replace(
+        "accelerate launch", f"{sys.executable} -m accelerate.commands.launch --main_process_port 0"
+    )
+    launch = launch.replace("accelerate_configs/", f"{ROOT}/accelerate_configs/")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    proc = subprocess.run(launch, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+def _grpo_run(tmp_path: Path, monkeypatch, reward: str | None = None, steps: int | None = None):
+    """The documented GRPO CPU block as written (``reward`` / ``steps`` replace its reward and step count for the
+    control): the per-step losses and rewards it logged, its saved weights and the initial ones."""
+    from recipe_checks import load_weights, logged, training_losses
+
+    from odc_hf.offline import main
+
+    helper, launch = _documented_commands(GRPO_MARK)
+    assert helper == "python -m odc_hf.offline demo-grpo --prompts", helper
+    assert "--reward_funcs odc_hf.offline.length_reward" in launch and "--max_steps 6" in launch, launch
+    if reward is not None:
+        launch = launch.replace("--reward_funcs odc_hf.offline.length_reward", f"--reward_funcs {reward}")
+    if steps is not None:
+        launch = launch.replace("--max_steps 6", f"--max_steps {steps}")
+    monkeypatch.chdir(tmp_path)
+    main(helper.split()[3:])
+    output = _launch_as_written(launch, tmp_path)
+    losses = training_losses(output, steps or 6)
+    rewards = logged(output, "reward")
+    saved, initial = load_weights(tmp_path / "out-grpo"), load_weights(tmp_path / "demo-grpo" / "model")
+    return losses, rewards, saved, initial
+
+
+def _changed(saved, initial) -> list[str]:
+    assert saved.keys() == initial.keys(), sorted(saved.keys() ^ initial.keys())
+    return [k for k in saved if not torch.equal(saved[k], initial[k])]
+
+
+@pytest.mark.slow
+def test_the_documented_grpo_recipe_trains(tmp_path, monkeypatch):
+    """The documented GRPO recipe on CPU visibly trains: rewards and losses are not zero, and every saved tensor
+    moved. (With a reward a random model never earns, all three are zero: the control below.)"""
+    losses, rewards, saved, initial = _grpo_run(tmp_path, monkeypatch)
+    print(f"losses {losses}, rewards {rewards}")
+    assert len(rewards) == 6 and all(r > 0 for r in rewards), rewards
+    assert all(abs(x) > 1e-2 for x in losses), losses  # GRPO's loss is 0 up to rounding on equal-length completions
+    changed = _changed(saved, initial)
+    assert sorted(changed) == sorted(saved), f"tensors that did not move: {sorted(set(saved) - set(changed))}"
+
+
+@pytest.mark.slow
+def test_control_the_old_documented_reward_trains_nothing(tmp_path, monkeypatch):
+    """Control of the test above: with the reward the recipe used to document (TRL's ``think_format_reward``), the
+    random model earns 0 on every completion, so every advantage, loss and gradient is 0 and no weight moves: each
+    of the test's three checks fails on it."""
+    losses, rewards, saved, initial = _grpo_run(tmp_path, monkeypatch, reward="think_format_reward", steps=2)
+    assert rewards == [0.0, 0.0] and all(abs(x) < 1e-6 for x in losses), (losses, rewards)
+    assert _changed(saved, initial) == []
 
 
 def test_the_offline_helper_writes_conversational_prompts_for_grpo(tmp_path, monkeypatch):

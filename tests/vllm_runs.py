@@ -43,7 +43,6 @@ import argparse
 import copy
 import functools
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -250,20 +249,6 @@ def _version(name: str) -> str | None:
         return None
 
 
-def make_eos_prone(model, bonus: float = 7.2) -> None:
-    """Completions that end early: every token embedding +1 in coordinate 5 (a constant direction the final norm
-    scales to about sqrt(hidden)), EOS's row ``bonus / sqrt(hidden)`` more, so EOS's logit is about ``bonus`` above
-    the rest (measured on the tiny model, 12 tokens at most: lengths 1 to 12, mean ~4.5)."""
-    import torch
-
-    eos = model.config.eos_token_id
-    rows = {id(w): w for w in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)}
-    with torch.no_grad():
-        for weight in rows.values():
-            weight[:, 5] += 1.0
-            weight[eos, 5] += bonus / math.sqrt(model.config.hidden_size)
-
-
 def build_model(out: Path, rank: int, *, eos_prone: bool = False):
     """The tiny model (head_dim 64) and the offline tokenizer: the checkpoint the engine loads (the model perturbed,
     see the module docstring), saved under ``out``; returns its path and the trainer's model (unperturbed, from that
@@ -271,7 +256,7 @@ def build_model(out: Path, rank: int, *, eos_prone: bool = False):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from odc_hf.testing.data import TINY_HEAD_DIM_64, default_tokenizer, tiny_qwen2_model
+    from odc_hf.testing.data import TINY_HEAD_DIM_64, default_tokenizer, make_eos_prone, tiny_qwen2_model
 
     path = out / f"model_rank{rank}"  # one copy per rank: no barrier needed before the trainer starts
     tokenizer = default_tokenizer()

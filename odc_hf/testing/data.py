@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import math
 import os
 import random
 import re
@@ -272,3 +273,17 @@ def tiny_qwen2_model(tokenizer, seed: int = 0, **config_kwargs) -> transformers.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return transformers.Qwen2ForCausalLM(config)
+
+
+def make_eos_prone(model, bonus: float = 7.2) -> None:
+    """Make ``model`` end its completions early, in place: every token embedding +1 in coordinate 5 (a constant
+    direction that the final norm scales to about sqrt(hidden)), EOS's row ``bonus / sqrt(hidden)`` more, so EOS's
+    logit is about ``bonus`` above the rest. A random model otherwise runs every completion to the length limit;
+    GRPO's loss on equal-length completions is zero up to rounding (the advantages of a group sum to zero), which
+    hides whether anything trained. Measured on the tiny models: lengths 1 to 12 tokens, mean ~4.5."""
+    eos = model.config.eos_token_id
+    rows = {id(w): w for w in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)}
+    with torch.no_grad():
+        for weight in rows.values():
+            weight[:, 5] += 1.0
+            weight[eos, 5] += bonus / math.sqrt(model.config.hidden_size)

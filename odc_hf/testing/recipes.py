@@ -36,17 +36,21 @@ def accelerate_cpu(*args, env: dict | None = None, cwd=None, timeout: float = 60
 
 
 def write_model_and_data(directory, rows: list[dict] | None = None, *, tokenizer=None, num_rows: int = 64,
-                         **config_kwargs) -> tuple[Path, Path]:  # fmt: skip
+                         eos_prone: bool = False, **config_kwargs) -> tuple[Path, Path]:  # fmt: skip
     """Write ``directory/model`` (the tiny Qwen2 model sized to ``tokenizer`` and the tokenizer; default: the embedded
     ``odc_hf.testing.data.default_tokenizer()``) and ``directory/data/train.jsonl`` (``rows``, one JSON object a line;
     default: ``num_rows`` conversations of ``odc_hf.testing.data.default_conversations``). Returns both folders.
-    ``config_kwargs`` go to the model's config (e.g. ``tie_word_embeddings=False``)."""
-    from odc_hf.testing.data import default_conversations, default_tokenizer, tiny_qwen2_model
+    ``config_kwargs`` go to the model's config (e.g. ``tie_word_embeddings=False``); ``eos_prone=True`` makes the
+    model end its completions early (``odc_hf.testing.data.make_eos_prone``: lengths that differ, for GRPO)."""
+    from odc_hf.testing.data import default_conversations, default_tokenizer, make_eos_prone, tiny_qwen2_model
 
     model_dir, data_dir = Path(directory) / "model", Path(directory) / "data"
     tokenizer = tokenizer if tokenizer is not None else default_tokenizer()
     rows = rows if rows is not None else default_conversations(num_rows, max_chars=600)
-    tiny_qwen2_model(tokenizer, **config_kwargs).save_pretrained(model_dir)
+    model = tiny_qwen2_model(tokenizer, **config_kwargs)
+    if eos_prone:
+        make_eos_prone(model)
+    model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
