@@ -211,13 +211,12 @@ def main(argv=None) -> None:
     results = {}
     for loss_type in args.loss_type.split(","):
         trainer, results[loss_type] = train_one(args, loss_type, tokenizer, dataset)
-        if trainer.accelerator.is_main_process:
+        # the ODC trainer prints its own summary line at the end of train(); TRL's prints none
+        if args.trainer == "trl" and trainer.accelerator.is_main_process:
             history = results[loss_type]["history"]
-            counts = [s["microbatches"] for s in results[loss_type]["steps"]]
-            print(f"\nodc_hf grpo summary ({args.trainer}, {loss_type}, {trainer.accelerator.num_processes} processes, "
+            print(f"\nTRL GRPOTrainer summary ({loss_type}, {trainer.accelerator.num_processes} processes, "
                   f"{trainer.state.global_step} steps): final loss {history[-1]['loss']:.6f}, "
-                  f"reward {history[-1].get('reward', float('nan')):.4f}"
-                  + (f", microbatches per rank per step {counts}" if counts else ""), flush=True)  # fmt: skip
+                  f"reward {history[-1].get('reward', float('nan')):.4f}", flush=True)  # fmt: skip
     if args.losses_json and trainer.accelerator.is_main_process:
         Path(args.losses_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.losses_json).write_text(json.dumps(results, indent=1))

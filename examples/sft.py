@@ -211,20 +211,6 @@ def main(argv=None):
                             "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}},
                            indent=1)
             )
-        world = trainer.accelerator.num_processes
-        mode = (
-            f"ODC over the {trainer.odc.describe()}"
-            if trainer.odc is not None
-            else ("FSDP2 collectives" if world > 1 else "single process, no ODC")
-        )
-        final = f"{history[-1]['loss']:.4f}" if history else "n/a (no step logged)"
-        # a collective run's waits hide inside FSDP's collectives: no bubble rate to report (docs/configuration.md)
-        bubble = f"bubble rate {summary['odc/bubble_rate']:.1%}, " if "odc/bubble_rate" in summary else ""
-        print(f"\nodc_hf summary ({mode}, {odc_config.balance}, {trainer.accelerator.num_processes} processes, "
-              f"{trainer.state.global_step} steps): final loss {final}, "
-              f"tokens/s {summary.get('odc/tokens_per_s', 0):.0f}, {bubble}"
-              f"microbatches per rank {summary.get('odc/microbatches_min', 0):.0f}-{summary.get('odc/microbatches_max', 0):.0f}; "
-              f"timeline: {Path(args.output_dir) / 'odc_timeline.png'}", flush=True)  # fmt: skip
     return trainer
 
 

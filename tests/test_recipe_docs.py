@@ -55,6 +55,11 @@ def test_the_documented_offline_cpu_recipe_runs_and_shows_odc_metrics(tmp_path, 
         r"\{'loss': .*?\}", output
     )  # one line per step (--logging_steps 1), ODC's metrics in it
     assert len(logged) == 3 and all("'odc/bubble_rate'" in line for line in logged), output[-3000:]
+    # the run's last odc_hf line: how it trained, the final loss, tokens/s and the bubble rate
+    summary = [line for line in output.splitlines() if line.startswith("odc_hf summary (")]
+    assert len(summary) == 1, output[-3000:]  # once, by the main process
+    assert summary[0].startswith("odc_hf summary (ODC over the CPU shared-memory transport"), summary
+    assert re.search(r"3 steps\): final loss [0-9.]+, tokens/s \d+, bubble rate [0-9.]+%", summary[0]), summary
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 

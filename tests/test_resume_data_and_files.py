@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -311,7 +312,7 @@ def test_the_words_a_command_line_passes_for_resuming():
 
 
 @pytest.mark.parametrize("word", ["true", "last"])
-def test_true_or_last_resumes_the_newest_complete_checkpoint(saved_run, tmp_path, monkeypatch, word):
+def test_true_or_last_resumes_the_newest_complete_checkpoint(saved_run, tmp_path, monkeypatch, capsys, word):
     # `--resume_from_checkpoint true` reaches train() as the string "true" (transformers' and TRL's parsers keep the
     # field a string); it was taken for a folder named "true". checkpoint-3 is newer but unfinished (no marker):
     # transformers' own get_last_checkpoint would take it; the newest COMPLETE one is checkpoint-2.
@@ -321,9 +322,31 @@ def test_true_or_last_resumes_the_newest_complete_checkpoint(saved_run, tmp_path
     shutil.copytree(run / "checkpoint-2", run / "checkpoint-3")
     (run / "checkpoint-3" / "odc_checkpoint.json").unlink()
     trainer = _trainer(run, SAMPLES)
+    capsys.readouterr()
     trainer.train(resume_from_checkpoint=word)
     assert trainer._odc_resume_checkpoint == str(run / "checkpoint-2")
     assert trainer.state.global_step == 2  # resumed at step 2 of 2: nothing left to train
+    # the user is told which checkpoint resumed: when training starts, and in the run's summary line (its last)
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert f"odc_hf: resuming from {run / 'checkpoint-2'} (step 2)" in printed, printed
+    assert printed[-1].startswith("odc_hf summary (single process, no ODC, lb_mini, 1 processes, 2 steps): final loss ")
+    assert printed[-1].endswith(f"; resumed from {run / 'checkpoint-2'} (step 2)"), printed[-1]
+
+
+def test_a_run_ends_with_its_summary_line(tmp_path, monkeypatch, capsys):
+    """Every run of an ODC trainer (a notebook's ``trainer.train()`` here) ends with one line: loss, tokens/s,
+    microbatches; no "resumed from" part when it did not resume."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    trainer = _trainer(tmp_path / "run", SAMPLES)
+    capsys.readouterr()
+    trainer.train()
+    printed = capsys.readouterr().out.strip().splitlines()
+    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h][-1]
+    assert printed[-1] == trainer.odc_summary_text, printed[-3:]
+    assert printed[-1].startswith(
+        f"odc_hf summary (single process, no ODC, lb_mini, 1 processes, 2 steps): final loss {loss:.4f}, tokens/s "
+    ), printed[-1]
+    assert re.search(r"tokens/s \d+, microbatches per rank \d+-\d+$", printed[-1]), printed[-1]  # nothing resumed
 
 
 def test_true_without_any_checkpoint_says_so_before_anything_loads(tmp_path, monkeypatch):

@@ -169,6 +169,13 @@ def resolve(trainer, resume_from_checkpoint, given=None):
     return resume_from_checkpoint
 
 
+def checkpoint_step(checkpoint: str) -> int:
+    """The optimizer step a checkpoint was saved at (its ``trainer_state.json``; :func:`check_parts` checked it is
+    there)."""
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as f:
+        return int(json.load(f)["global_step"])
+
+
 def check_parts(trainer, checkpoint: str) -> None:
     """Raise, naming the part and the checkpoint, when ``checkpoint`` lacks something the resumed run needs."""
     if not os.path.isdir(checkpoint):

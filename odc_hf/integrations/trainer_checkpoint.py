@@ -29,6 +29,9 @@ class CheckpointPart:
     """The training data's size and fingerprint, recorded in the checkpoints (:func:`odc_note_dataset`)."""
     _odc_resume_checkpoint: str | None = None
     """The checkpoint ``train()`` resumes from."""
+    odc_resumed_from: tuple[str, int] | None = None
+    """The checkpoint the last ``train()`` resumed from and its step, or None (printed when training starts and in the
+    run's summary line)."""
 
     def _odc_resolve_resume(self, resume_from_checkpoint):
         """``train()``'s ``resume_from_checkpoint``, checked on every rank before the Trainer loads anything: ``True``
@@ -40,6 +43,9 @@ class CheckpointPart:
             resume_from_checkpoint = resume.resolve(self, resume_from_checkpoint, given)
         resuming = isinstance(resume_from_checkpoint, str)
         self._odc_resume_checkpoint = resume_from_checkpoint if resuming else None
+        self.odc_resumed_from = (resume_from_checkpoint, resume.checkpoint_step(resume_from_checkpoint)) if resuming else None
+        if resuming and self.accelerator.is_main_process:
+            print(f"odc_hf: resuming from {resume_from_checkpoint} (step {self.odc_resumed_from[1]})", flush=True)
         return resume_from_checkpoint
 
     def odc_note_dataset(self, num_samples: int, lengths: list[int] | None = None) -> None:

@@ -124,17 +124,57 @@ class ObservabilityPart:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(payload))
 
+    odc_summary: dict = {}
+    """The run's statistics over all its steps (main process, after ``train()``): ``odc/tokens_per_s``,
+    ``odc/bubble_rate`` (ODC only), ``odc/microbatches_min`` / ``_max``, ... (:func:`odc_hf.integrations.stats.summarise`)."""
+    odc_summary_text: str | None = None
+    """The one-line summary the main process printed at the end of ``train()`` (:meth:`odc_summary_line`)."""
+
     def odc_finish_run(self) -> None:
+        """At the end of ``train()``: the timings file, the summary and timeline (main process), and the summary
+        line, printed by the main process as the run's last odc_hf output."""
         self._odc_write_timings()
         destroy_gloo_group_at_exit()  # the gather above must not race interpreter exit (see its docstring)
-        summary = self.odc_stats.total()
-        if not summary or not self.accelerator.is_main_process:
+        if not self.accelerator.is_main_process:
             return
+        summary = self.odc_stats.total()
         if self.odc is None:  # collectives: the bubble is hidden inside FSDP's collectives (see log())
             summary = {k: v for k, v in summary.items() if k not in COLLECTIVE_HIDDEN}
         self.odc_summary = summary
-        if self.odc_config.log_timeline:
+        timeline = None
+        if summary and self.odc_config.log_timeline:
             implementation = self.odc_attention_choice.implementation if self.odc_attention_choice else None
             title = f"ODC per-rank timeline ({implementation} attention)"
-            path = plot_timeline(self.odc_stats.steps[-50:], Path(self.args.output_dir) / "odc_timeline.png", title=title)
-            logger.info("odc_hf: timeline written to %s", path)
+            timeline = plot_timeline(self.odc_stats.steps[-50:], Path(self.args.output_dir) / "odc_timeline.png",
+                                     title=title)  # fmt: skip
+        self.odc_summary_text = self.odc_summary_line(timeline)
+        print(f"\n{self.odc_summary_text}", flush=True)
+
+    def odc_summary_line(self, timeline: Path | None = None) -> str:
+        """One line: how the run trained (ODC's transport and mesh, or collectives), the balancing, processes and
+        steps; the last logged loss (and reward, for GRPO), tokens/s, the bubble rate (ODC only: under collectives
+        the waits hide inside FSDP's collectives), microbatches per rank; the timeline's file and the checkpoint the
+        run resumed from, when there are."""
+        world = self.accelerator.num_processes
+        if self.odc is not None:
+            mode = f"ODC over the {self.odc.describe()}"
+        else:
+            mode = "FSDP2 collectives" if world > 1 else "single process, no ODC"
+        logged = [h for h in self.state.log_history if "loss" in h]
+        parts = [f"final loss {logged[-1]['loss']:.4f}" if logged else "final loss n/a (no step logged)"]
+        if logged and "reward" in logged[-1]:
+            parts.append(f"reward {logged[-1]['reward']:.4f}")
+        summary = self.odc_summary
+        if summary:
+            parts.append(f"tokens/s {summary['odc/tokens_per_s']:.0f}")
+            if "odc/bubble_rate" in summary:
+                parts.append(f"bubble rate {summary['odc/bubble_rate']:.1%}")
+            parts.append(f"microbatches per rank {summary['odc/microbatches_min']:.0f}-{summary['odc/microbatches_max']:.0f}")
+        line = (f"odc_hf summary ({mode}, {self.odc_config.balance}, {world} processes, {self.state.global_step} "
+                f"steps): {', '.join(parts)}")  # fmt: skip
+        if timeline is not None:
+            line += f"; timeline: {timeline}"
+        resumed = getattr(self, "odc_resumed_from", None)
+        if resumed is not None:
+            line += f"; resumed from {resumed[0]} (step {resumed[1]})"
+        return line
