@@ -98,6 +98,11 @@ def _grpo_run(tmp_path: Path, monkeypatch, reward: str | None = None, steps: int
     losses = training_losses(output, steps or 6)
     rewards = logged(output, "reward")
     saved, initial = load_weights(tmp_path / "out-grpo"), load_weights(tmp_path / "demo-grpo" / "model")
+    summary = [line for line in output.splitlines() if line.startswith("odc_hf summary (")]
+    # the run's last odc_hf line, with GRPO's reward (the printed logs round to 4 digits, the line to 4 decimals)
+    assert len(summary) == 1, output[-3000:]
+    said = re.search(r"final loss (\S+), reward (\S+), tokens/s \d+, bubble rate", summary[0])
+    assert said and [float(v) for v in said.groups()] == pytest.approx([losses[-1], rewards[-1]], rel=1e-3), summary
     return losses, rewards, saved, initial
 
 
