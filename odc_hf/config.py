@@ -30,6 +30,7 @@ PEER_MEMORY_CHOICES = ("auto", "symmetric_memory", "ipc")  # odc_hf.transport.pe
 
 OTHER_ENV_VARIABLES = {
     "ODC_ACCUMULATE_MAX_CTAS": "the GPU transport's accumulate-kernel grid cap, odc_hf/transport/cuda.py",
+    "ODC_ERROR_DIR": "where launched ranks record an uncaught exception, odc_hf/integrations/rank_errors.py",
     "ODC_EXPANDABLE_SEGMENTS": "0 keeps torch's default CUDA allocator, odc_hf/integrations/cuda_allocator.py",
     "ODC_NO_RELAUNCH": "set in the processes odc_hf's relauncher starts, odc_hf/integrations/relaunch.py",
 }

@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         raise SystemExit(f"odc_hf.run: {err}") from None
     if "LOCAL_RANK" in os.environ:  # a launched rank: ranks sharing a GPU need gloo before the target starts NCCL
-        from odc_hf.integrations import shared_gpu
+        from odc_hf.integrations import rank_errors, shared_gpu
+
+        rank_errors.install()  # an uncaught exception: one line on the screen, the traceback in a file
 
         shared_gpu.init_process_group()
     from odc_hf.config import ODCConfig

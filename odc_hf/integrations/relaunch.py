@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+from odc_hf.integrations import rank_errors
 from odc_hf.integrations.cuda_allocator import prefer_expandable_segments
 from odc_hf.transport.peer_memory import SAFE_GPU_ENV
 
@@ -76,9 +76,11 @@ def relaunch_if_needed(
     when there are enough GPUs, else ``cpu.yaml`` (which needs ``ACCELERATE_USE_CPU=true``, set here) with CUDA
     hidden from the processes when the machine has GPUs; one process runs here without a launcher. NVLink
     multicast stays off in the children. Returns when already inside a launched process or when one process runs
-    here; otherwise exits with the launch's status.
+    here; otherwise exits with the launch's status. A rank's failure ends the output with that rank's own message,
+    the launcher's report kept in a file (:mod:`odc_hf.integrations.rank_errors`).
     """
     if "RANK" in os.environ or "LOCAL_RANK" in os.environ or os.environ.get("ODC_NO_RELAUNCH"):
+        rank_errors.install()  # a launched rank: an uncaught exception becomes one line and a file
         return
     plan = plan_launch(processes)
     print(plan.message, flush=True)
@@ -89,7 +91,7 @@ def relaunch_if_needed(
         return
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(Path(config_dir) / plan.config),
            "--num_processes", str(processes), script, *argv]  # fmt: skip
-    sys.exit(subprocess.call(cmd, env=launch_env(plan)))
+    sys.exit(rank_errors.run_launcher(cmd, launch_env(plan)))
 
 
 def launch_env(plan: LaunchPlan, environ=None) -> dict[str, str]:
