@@ -55,12 +55,24 @@ def test_the_documented_offline_cpu_recipe_runs_and_shows_odc_metrics(tmp_path, 
         r"\{'loss': .*?\}", output
     )  # one line per step (--logging_steps 1), ODC's metrics in it
     assert len(logged) == 3 and all("'odc/bubble_rate'" in line for line in logged), output[-3000:]
+    # one progress bar per task, as with one process (the other rank draws none): before, each rank drew its own
+    # (the main process writes the model twice: the Trainer's checkpoint at the last step and the recipe's save_model)
+    started, saves = bars_started(output), 1 + len(list((tmp_path / "out").glob("checkpoint-*")))
+    assert started.pop("Writing model shards") == saves, (started, saves)
+    assert started and all(n == 1 for n in started.values()), started
     # the run's last odc_hf line: how it trained, the final loss, tokens/s and the bubble rate
     summary = [line for line in output.splitlines() if line.startswith("odc_hf summary (")]
     assert len(summary) == 1, output[-3000:]  # once, by the main process
     assert summary[0].startswith("odc_hf summary (ODC over the CPU shared-memory transport"), summary
     assert re.search(r"3 steps\): final loss [0-9.]+, tokens/s \d+, bubble rate [0-9.]+%", summary[0]), summary
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def bars_started(output: str) -> dict[str, int]:
+    """How many progress bars each description started (tqdm's ``desc:   0%|``; ``""``: the Trainer's own bar)."""
+    import collections
+
+    return collections.Counter(m.strip() for m in re.findall(r"(?:^|[\r\n])([^\r\n|]*?):?\s+0%\|", output))
 
 
 def _launch_as_written(launch: str, cwd: Path) -> str:

@@ -62,7 +62,7 @@ from odc_hf.integrations.train_data import (
     warn_no_label_tokens,
 )
 from odc_hf.integrations.trainer_checkpoint import CheckpointPart
-from odc_hf.integrations.trainer_observability import LocalGathers, ObservabilityPart
+from odc_hf.integrations.trainer_observability import LocalGathers, ObservabilityPart, one_progress_bar
 from odc_hf.integrations.transformers_version import check_trainer
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         # arguments started is replaced), and accelerate told the group's backend (its gathers depend on it)
         shared_gpu.settle_process_group(timeout_s=float(getattr(training_args, "ddp_timeout", 1800) or 1800))
         check_trainer(type(self))  # the private Trainer methods overridden below exist in this transformers
+        one_progress_bar(training_args)  # before the base trainer prepares the data on every rank
         if getattr(training_args, "use_liger_kernel", False):  # where the base trainer applies Liger itself (GRPO)
             compute_path.pin_liger_rope()
         if odc_config is None:  # trainer arguments' odc_* fields, then ODC_* variables, then defaults

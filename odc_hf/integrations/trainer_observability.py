@@ -31,6 +31,20 @@ COLLECTIVE_HIDDEN = ("odc/bubble_rate", "odc/wait_s_mean")
 collectives."""
 
 
+def one_progress_bar(training_args) -> None:
+    """Progress bars on the main process only, as transformers draws its training bar: on the other ranks turn off
+    the bars of ``datasets`` (TRL's dataset preparation runs on every rank, main process first) and of transformers
+    (shard loading and writing). A process of a launched job serves that job alone, so the switch is process-wide;
+    ``disable_tqdm=True`` in the arguments is left to the Trainer."""
+    if int(getattr(training_args, "process_index", 0) or 0) == 0:
+        return
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    datasets.disable_progress_bars()
+    transformers_logging.disable_progress_bar()
+
+
 class LocalGathers:
     """Stands in for the Accelerator inside the bundle loop: metric gathers stay local.
 
