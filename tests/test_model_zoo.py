@@ -193,6 +193,58 @@ def test_a_refused_family_stops_the_trainer_before_training(tmp_path, cpu_env):
                       train_dataset=Dataset.from_dict({"input_ids": [[1, 2, 3, 4]] * 8}))  # fmt: skip
 
 
+MULTIMODAL = [name for name, (_, words) in zoo_runs.REFUSED.items() if words == "multimodal"]
+
+
+def _counting_maps(monkeypatch) -> list:
+    """Every ``datasets.Dataset.map`` call from here on, by its description (TRL prepares the data with them)."""
+    import datasets
+
+    calls, original = [], datasets.Dataset.map
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs.get("desc"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(datasets.Dataset, "map", counted)
+    return calls
+
+
+@pytest.mark.parametrize("given", ["model", "folder"])
+@pytest.mark.parametrize("name", MULTIMODAL)
+def test_a_multimodal_model_is_refused_before_any_data_work(name, given, tmp_path, cpu_env, monkeypatch):
+    """Refused before TRL tokenizes the dataset (minutes on a real one): no ``map`` call ran. The model as an object
+    or as a folder TRL would load (its config is read, nothing else)."""
+    from datasets import Dataset
+
+    from odc_hf import ODCSFTTrainer
+    from odc_hf.testing.data import default_tokenizer
+
+    model = zoo_runs.REFUSED[name][0]()
+    if given == "folder":
+        model.config.save_pretrained(tmp_path / "model")
+        model = str(tmp_path / "model")
+    calls = _counting_maps(monkeypatch)
+    with pytest.raises(ValueError, match=r"is a multimodal model \(vision_config\)"):
+        ODCSFTTrainer(model=model, args=zoo_runs.sft_args(tmp_path), processing_class=default_tokenizer(),
+                      train_dataset=Dataset.from_dict({"text": ["one document", "another one"] * 4}))  # fmt: skip
+    assert calls == [], calls
+
+
+def test_control_the_map_counter_sees_trls_data_preparation(tmp_path, cpu_env, monkeypatch):
+    """Control of the test above: with a text model the same construction runs TRL's maps (the count is not blind)."""
+    from datasets import Dataset
+
+    from odc_hf import ODCSFTTrainer
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
+
+    tokenizer = default_tokenizer()
+    calls = _counting_maps(monkeypatch)
+    ODCSFTTrainer(model=tiny_qwen2_model(tokenizer), args=zoo_runs.sft_args(tmp_path), processing_class=tokenizer,
+                  train_dataset=Dataset.from_dict({"text": ["one document", "another one"] * 4}))  # fmt: skip
+    assert "Tokenizing train dataset" in calls, calls
+
+
 def rendered(trl, odc, grpo) -> list[str]:
     sft = {name: {w: largest_difference(odc[w][name]["history"], trl[name],
                                        renamed={"grad_norm": "grad_norm_fp64"} if w > 1 else None) for w in (1, 2)}

@@ -20,9 +20,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
+import transformers
 
 from odc_hf.integrations.transformers_version import supports_sdpa
 
@@ -73,6 +75,41 @@ def needs_of(model) -> FamilyNeeds:
     )
 
 
+def multimodal_refusal(config, name: str) -> str | None:
+    """Why odc_hf cannot train the model of ``config`` (called ``name``): it is multimodal; or None. Needs the config
+    alone, so the trainers ask it before any data work (:func:`check_text_only`)."""
+    text = config.get_text_config()
+    modalities = [c for c in MODALITY_CONFIGS if getattr(config, c, None) is not None]
+    if modalities or text is not config:
+        return (f"{name} ({config.model_type}) is a multimodal model ({', '.join(modalities) or 'a composite config'}): "
+                "odc_hf packs text-only rows and does not handle image / audio tokens, their positions or their "
+                "masks. Train it with TRL's own trainer, or train its text model alone (for instance "
+                "AutoModelForCausalLM.from_config(config.get_text_config()))")  # fmt: skip
+    return None
+
+
+def check_text_only(model) -> None:
+    """Refuse a multimodal model (:func:`multimodal_refusal`) as the trainer receives it: a model, a PEFT model, or a
+    model id or folder (its config is read; one that cannot be read is left for the base trainer to report). Runs
+    before the base trainer prepares any data (TRL tokenizes the whole dataset in its ``__init__``)."""
+    if model is None:
+        return
+    if isinstance(model, (str, os.PathLike)):
+        try:
+            config = transformers.AutoConfig.from_pretrained(model)
+        except Exception:  # noqa: BLE001 - a bad id or folder: the base trainer says so in its own words
+            return
+        name = (getattr(config, "architectures", None) or [config.model_type])[0]
+    else:
+        model = _base(model)
+        config, name = getattr(model, "config", None), type(model).__name__
+        if config is None or not hasattr(config, "get_text_config"):
+            return
+    reason = multimodal_refusal(config, name)
+    if reason:
+        raise ValueError(f"odc_hf cannot train this model on packed rows exactly as it is defined: {reason}")
+
+
 def refusal(model, masked: bool = False) -> str | None:
     """Why packed rows cannot train ``model`` as its definition says (naming the family and what it uses), or None.
     ``masked``: the model keeps an attention of transformers' that builds its masks (``sdpa``, ``eager``), which apply
@@ -81,12 +118,9 @@ def refusal(model, masked: bool = False) -> str | None:
     config, name = model.config, type(model).__name__
     text = config.get_text_config()
     family = getattr(text, "model_type", name)
-    modalities = [c for c in MODALITY_CONFIGS if getattr(config, c, None) is not None]
-    if modalities or text is not config:
-        return (f"{name} ({config.model_type}) is a multimodal model ({', '.join(modalities) or 'a composite config'}): "
-                "odc_hf packs text-only rows and does not handle image / audio tokens, their positions or their "
-                "masks. Train it with TRL's own trainer, or train its text model alone (for instance "
-                "AutoModelForCausalLM.from_config(config.get_text_config()))")  # fmt: skip
+    multimodal = multimodal_refusal(config, name)
+    if multimodal:
+        return multimodal
     if getattr(text, "attention_chunk_size", None) and not masked:
         return (f"{family} uses chunked attention (attention_chunk_size={text.attention_chunk_size}), which lives in "
                 "its masks only: odc_hf's per-document attention does not apply it. Use ODCConfig(attention='model') "

@@ -34,6 +34,7 @@ from odc_hf.integrations import (
     compute_path,
     cuda_allocator,
     definition_check,
+    model_family,
     parallelism,
     shared_gpu,
 )
@@ -123,6 +124,8 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         self.odc_compute: compute_path.ComputePath | None = None
         # before the base trainer reads the first row (TRL's SFTTrainer: a bare StopIteration on an empty dataset)
         check_not_empty(self._odc_argument("train_dataset", args, kwargs))
+        # a multimodal model: refused before the base trainer prepares the data (TRL tokenizes it all in __init__)
+        model_family.check_text_only(self._odc_argument("model", args, kwargs))
         super().__init__(*args, **kwargs)
         self.add_callback(_ODCCallback(self))
         self.odc_attention_choice = choose_attention(self)
