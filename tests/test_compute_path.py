@@ -260,9 +260,10 @@ def test_oom_names_the_policy_and_prediction():
         with compute_path.oom_guard(path):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
     fake = SimpleNamespace()  # the guard leaves other errors alone
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError) as caught:
         with compute_path.oom_guard(path):
             raise KeyError(fake)
+    assert caught.value.args == (fake,)  # the very error, unchanged
 
 
 assert VOCAB  # fsdp_helpers' tiny vocabulary: every id below is valid
