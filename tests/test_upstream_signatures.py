@@ -1,6 +1,8 @@
-"""The signatures (parameter names and kinds) of every private upstream callable odc_hf overrides or calls — the
-Trainer hooks and submodule functions of odc_hf/integrations/transformers_version.py, TRL GRPOTrainer's methods of
-odc_hf/integrations/trl_version.py — equal the ones recorded at the lock (tests/upstream_signatures.json). A release
+"""The signatures (parameter names and kinds) of every upstream callable odc_hf overrides or calls by a private name —
+the Trainer hooks and submodule functions of odc_hf/integrations/transformers_version.py, TRL GRPOTrainer's methods of
+odc_hf/integrations/trl_version.py, and every method of transformers, TRL or accelerate that an odc_hf class overrides
+(public ones too: ``compute_loss``, ``training_step``, ``get_train_dataloader``, ``log``, ``prepare``, ...) — equal the
+ones recorded at the lock (tests/upstream_signatures.json). A release
 that renames or reorders a parameter fails here by name (the newest-releases lane runs this file too), not at run time.
 
 Regenerate the record after moving the lock: ``python tests/test_upstream_signatures.py --write``."""
@@ -31,6 +33,35 @@ def _callables() -> dict:
             if inspect.isfunction(value):
                 found[f"{module}.{name}"] = value
     found.update({f"trl.GRPOTrainer.{name}": getattr(GRPOTrainer, name) for name in trl_version.GRPO_PRIVATE_METHODS})
+    listed = {id(f) for f in found.values()}
+    found.update({name: f for name, f in _overridden().items() if id(f) not in listed})
+    return found
+
+
+def _overridden() -> dict:
+    """Every upstream method an odc_hf class overrides, public ones included (``compute_loss``, ``training_step``,
+    ``get_train_dataloader``, ``log``, ...), found by reading the classes: a method defined in an odc_hf class (or one
+    of its parts) whose upstream base class defines the same name."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from transformers import Trainer, TrainerCallback
+    from trl import GRPOTrainer, SFTTrainer
+
+    from odc_hf.integrations.accelerator import ODCAccelerator
+    from odc_hf.integrations.grpo_trainer import ODCGRPOTrainer
+    from odc_hf.integrations.plugin import ODCFSDPPlugin
+    from odc_hf.integrations.sft_trainer import ODCSFTTrainer
+    from odc_hf.integrations.trainer import ODCTrainer, _ODCCallback
+
+    pairs = {ODCTrainer: Trainer, ODCSFTTrainer: SFTTrainer, ODCGRPOTrainer: GRPOTrainer, _ODCCallback: TrainerCallback,
+             ODCAccelerator: Accelerator, ODCFSDPPlugin: FullyShardedDataParallelPlugin}  # fmt: skip
+    found = {}
+    for ours, upstream in pairs.items():
+        own = {k for cls in ours.__mro__ if cls.__module__.startswith("odc_hf.") for k in vars(cls)}
+        for name in sorted(own):
+            value = inspect.getattr_static(upstream, name, None)
+            if name.startswith("__") and name != "__init__" or not inspect.isfunction(value):
+                continue
+            found[f"{value.__module__}.{value.__qualname__}"] = value  # where it is defined: inherited ones once
     return found
 
 
