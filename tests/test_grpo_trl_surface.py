@@ -102,3 +102,32 @@ def test_unsupported_loss_type_is_refused_clearly(tmp_path):
         ODCGRPOTrainer(model=tiny_qwen2_model(tokenizer), reward_funcs=lambda completions, **k: [0.0] * len(completions),
                        args=args, train_dataset=__import__("datasets").Dataset.from_list([{"prompt": "1+1="}] * 8),
                        processing_class=tokenizer)  # fmt: skip
+
+
+def test_grpo_drops_the_unread_head_warning_as_sft_does(tmp_path, monkeypatch):
+    """GRPOTrainer scores with TRL's fused LM head, which reads lm_head.weight without calling lm_head: torch 2.11's
+    FSDP2 warned "1 of the 3 modules ... did not run forward before backward" on every GPU GRPO run. The ODC GRPO
+    trainer installs the filter SFT's compute path installs (tests/test_head_unit.py: what it drops and keeps)."""
+    import logging
+
+    from trl import GRPOConfig
+
+    from odc_hf import ODCGRPOTrainer
+    from odc_hf.integrations.compute_path import FSDP_LOGGER, UnreadHeadFilter
+    from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    fsdp_logger = logging.getLogger(FSDP_LOGGER)
+    fsdp_logger.filters = [f for f in fsdp_logger.filters if not isinstance(f, UnreadHeadFilter)]
+    tokenizer = default_tokenizer()
+    model = tiny_qwen2_model(tokenizer, tie_word_embeddings=False)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, report_to="none",
+                      bf16=False, use_cpu=True, max_completion_length=8)  # fmt: skip
+    try:
+        ODCGRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+                       train_dataset=__import__("datasets").Dataset.from_list([{"prompt": "1+1="}] * 8),
+                       processing_class=tokenizer)  # fmt: skip
+        installed = [f for f in fsdp_logger.filters if isinstance(f, UnreadHeadFilter)]
+        assert len(installed) == 1 and installed[0].head is model.get_output_embeddings(), fsdp_logger.filters
+    finally:
+        fsdp_logger.filters = [f for f in fsdp_logger.filters if not isinstance(f, UnreadHeadFilter)]

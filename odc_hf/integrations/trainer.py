@@ -131,6 +131,8 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
         self.odc_attention_choice = choose_attention(self)
         if self.odc_trl_loss_head():  # the loss is TRL's fused LM head (SFT, GRPO): the family's own loss, or refused
             definition_check.verify_fused_head(self.accelerator.unwrap_model(self.model))
+            # the head's weight is read without calling the head: torch 2.11's FSDP2 warns of it on every correct run
+            compute_path.quiet_unread_head_warning(self.accelerator.unwrap_model(self.model))
         if getattr(self, "aux_loss_enabled", False):  # TRL's router loss (SFT, GRPO): the family's own, or refused
             definition_check.verify_router_loss(self.accelerator.unwrap_model(self.model))
         if self.odc_compute_path:
