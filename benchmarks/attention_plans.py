@@ -33,7 +33,7 @@ def _measure(mode: str, layers: int) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from odc_hf import attention
+    from odc_hf.attention import varlen as attention
 
     if mode == "bucketed_liger":
         from liger_kernel.transformers import apply_liger_kernel_to_qwen2

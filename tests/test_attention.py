@@ -61,7 +61,7 @@ def test_bad_boundaries_are_an_error():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (flash varlen kernel)")
 def test_cuda_varlen_kernel_matches_per_document_sdpa():
-    import odc_hf.attention as attention
+    import odc_hf.attention.varlen as attention
 
     config = tiny_qwen2_config(97)
     config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 256, 4, 2
@@ -91,7 +91,7 @@ def test_cuda_varlen_kernel_matches_per_document_sdpa():
 @pytest.mark.parametrize("lengths", [[5], [3, 9, 1, 6], [17, 4]])
 def test_shape_buckets_change_no_output_or_gradient(monkeypatch, bucket, lengths):
     """Padding every document to the shape bucket gives the same logits and gradients as exact shapes (bucket 0)."""
-    from odc_hf import attention
+    from odc_hf.attention import varlen as attention
 
     exact = _model(attention.register(attention.VarlenAttention(shape_bucket=0)))
     padded = _model(attention.register(attention.VarlenAttention(shape_bucket=bucket)))
@@ -120,7 +120,7 @@ def test_shape_buckets_change_no_output_or_gradient(monkeypatch, bucket, lengths
 
 
 def test_warm_up_plans_every_bucket_and_is_a_no_op_off_cuda():
-    from odc_hf import attention
+    from odc_hf.attention import varlen as attention
 
     model = _model(VARLEN_ATTENTION)
     assert attention.warm_up(model, max_length=64) == 0
@@ -133,7 +133,7 @@ def test_non_causal_attention_is_never_padded():
     """Zero keys after the tokens would be visible to non-causal queries: those calls keep exact shapes."""
     from types import SimpleNamespace
 
-    from odc_hf import attention
+    from odc_hf.attention import varlen as attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
@@ -150,7 +150,7 @@ def test_trainer_applies_the_odcconfig_attention_setting():
     """ODCConfig.attention_shape_bucket / attention_varlen_kernel choose the setting of a model on sdpa_varlen."""
     from types import SimpleNamespace
 
-    from odc_hf import attention
+    from odc_hf.attention import varlen as attention
     from odc_hf.config import ODCConfig
     from odc_hf.integrations.attention_setup import choose_attention
 
@@ -188,7 +188,7 @@ def test_bucketed_inputs_have_one_layout_and_skip_copies_of_whole_rows():
     """Every SDPA call of one length sees the same strides (one cuDNN plan, the one warm_up builds): (1, seq, heads,
     dim) in memory, the projections' layout. A one-document row of a bucket multiple already in that layout goes
     through as is (no copy); a padded, sliced or otherwise laid out document is copied."""
-    from odc_hf import attention
+    from odc_hf.attention import varlen as attention
 
     g = torch.Generator().manual_seed(0)
     canonical = {32: (32 * 3 * 8, 8, 3 * 8, 1), 16: (16 * 3 * 8, 8, 3 * 8, 1)}

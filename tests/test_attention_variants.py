@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-import odc_hf.attention
+import odc_hf.attention.varlen
 from odc_hf.attention import variants
 
 SIZE = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -72,7 +72,7 @@ def test_a_packed_row_equals_each_document_alone_through_the_models_own_attentio
     assert float((model(**unbounded).logits[0].detach() - reference[0]).abs().max()) > 100 * bound
     real = variants.take_variant
     monkeypatch.setattr(variants, "take_variant", lambda *a, **k: dataclasses.replace(real(*a, **k), window=None))
-    monkeypatch.setattr(odc_hf.attention, "take_variant", variants.take_variant)
+    monkeypatch.setattr(odc_hf.attention.varlen, "take_variant", variants.take_variant)
     assert float((model(**packed).logits[0].detach() - reference[0]).abs().max()) > 100 * bound
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers as t
 
-import odc_hf.attention
+import odc_hf.attention.varlen
 from odc_hf.integrations import definition_check as dc
 from odc_hf.integrations.planning import flop_cost_model
 
@@ -169,7 +169,7 @@ def test_the_guard_lets_boundaries_through_and_leaves_other_forwards_alone():
     odc_hf.attention.guard_boundaries(model)
     packed_forward(model)  # boundaries reach every layer
     model(input_ids=torch.randint(3, 100, (2, 6)))  # a batch of whole documents
-    assert odc_hf.attention._in_flight[0] == 0
+    assert odc_hf.attention.varlen._in_flight[0] == 0
 
 
 # -- router losses ----------------------------------------------------------------------------------------------------
