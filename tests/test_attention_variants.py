@@ -124,3 +124,40 @@ def test_eager_varlen_is_registered_for_families_without_sdpa():
     bare = subprocess.run([*run, "no-import"], capture_output=True, text=True, timeout=300, env=env)
     assert bare.returncode != 0 and "eager_varlen" in bare.stderr, bare.stderr[-2000:]
     assert odc_hf.attention.VarlenAttention(eager=True).name == odc_hf.attention.EAGER_VARLEN_ATTENTION
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_padded_rows_equal_the_models_own_attention_with_its_mask(name, monkeypatch):
+    """Padded rows (a 2-D padding mask, as in batched generation and TRL's padded GRPO rows) take the masked path:
+    SDPA with transformers' mask, or the family's eager attention with it (soft-capping, sinks). The real tokens'
+    logits equal the model's own eager attention on the same batch, windows included (rows longer than the window).
+    Twin: the mask dropped inside the masked path (padding attended) differs."""
+    model = _model(name)
+    ids = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :7] = 0  # left padding, as generation pads
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        varlen = "eager_varlen" if name != "mistral_window" else "sdpa_varlen"
+        model.set_attn_implementation(varlen)
+        ours = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        real = mask.bool()
+        difference = float((ours[real] - reference[real]).abs().max())
+        assert difference <= 1e-5 * float(reference[real].abs().max()), difference
+        original = variants.masked_attention
+        monkeypatch.setattr(odc_hf.attention.varlen, "masked_attention",
+                            lambda m, q, k, v, attention_mask, *a: original(m, q, k, v, None, *a))  # fmt: skip
+        unmasked = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert float((unmasked[real] - reference[real]).abs().max()) > 100 * max(difference, 1e-7)
+
+
+def test_a_window_the_layer_keeps_as_an_attribute_is_read_when_the_call_passes_none():
+    """A layer that keeps ``sliding_window`` as an attribute and leaves it to the model's mask (Qwen2-MoE) gets it
+    applied; an argument of the call wins; anything but an integer (a flag, a string) is no window."""
+    layer = torch.nn.Module()
+    layer.sliding_window = 4
+    assert variants.take_variant(layer, {}).window == 4
+    assert variants.take_variant(layer, {"sliding_window": 6}).window == 6
+    for odd in (True, "4", 4.0, None):
+        layer.sliding_window = odd
+        assert variants.take_variant(layer, {}).window is None, odd

@@ -80,3 +80,54 @@ def test_bad_inputs_raise():
         refine([[0, 1], [1]], [1.0, 2.0])
     with pytest.raises(ValueError, match="in no part"):
         refine([[0], []], [1.0, 2.0])
+
+
+# -- properties stated by the docstrings, each killing mutants that the tests above let live -------------------------
+def _reference_lpt(costs, k):
+    """The docstring's rule, written plainly: items by decreasing cost, ties by lower index, each to the lightest
+    part (ties: lower part index)."""
+    loads, parts = [0.0] * k, [[] for _ in range(k)]
+    for item in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        p = min(range(k), key=lambda q: (loads[q], q))
+        parts[p].append(item)
+        loads[p] += costs[item]
+    return [sorted(p) for p in parts]
+
+
+def test_lpt_is_largest_first_with_ties_in_index_order():
+    # many equal costs: an unstable sort (numpy's default) deals them to other parts; smallest-first loses balance
+    costs = np.random.default_rng(0).integers(1, 4, 100).astype(float).tolist()
+    for k in (2, 3, 7):
+        assert lpt(costs, k) == _reference_lpt(costs, k), k
+    assert max(part_sums(lpt([1, 1, 2], 2), [1, 1, 2])) == 2  # largest first: {2}, {1, 1}
+
+
+def test_part_sums_are_float64_and_an_empty_part_weighs_nothing():
+    sums = part_sums([[0, 1], [], [2]], [2, 3, 4])  # integer costs in, float sums out (compared with tolerances)
+    assert sums.dtype == np.float64 and sums.tolist() == [5.0, 0.0, 4.0]
+
+
+def test_karmarkar_karp_reads_its_labels_for_every_cap_on_starting_tuples():
+    from odc_hf.balance.partition import karmarkar_karp_labels, labels_to_parts
+
+    costs = np.random.default_rng(1).lognormal(0, 1, 300)
+    capped = labels_to_parts(karmarkar_karp_labels(costs, 4, max_tuples=64), 4)
+    assert karmarkar_karp(costs, 4, max_tuples=64) == capped
+    assert capped != karmarkar_karp(costs, 4)  # the cap changes this split: the comparison above can see it
+
+
+def test_refine_honours_its_round_limit_and_tolerance():
+    costs = [8, 7, 6, 5, 4]
+    start = karmarkar_karp(costs, 2)  # 16 / 14; one move or swap makes it 15 / 15
+    assert refine(start, costs, max_rounds=0) == [sorted(p) for p in start]  # no round: nothing changes
+    assert refine(start, costs, tolerance=1.0) == [sorted(p) for p in start]  # 16 is within 100% of the bound 15
+    assert sorted(part_sums(refine(start, costs, max_rounds=1), costs)) == [15, 15]
+
+
+def test_refine_names_what_is_wrong_with_the_parts():
+    with pytest.raises(ValueError, match="^refine needs at least one part$"):
+        refine([], [1.0])
+    with pytest.raises(ValueError, match=r"^item 2 is out of range or appears in more than one part$"):
+        refine([[0, 1, 2]], [1.0, 1.0])  # index == number of items: out of range
+    with pytest.raises(ValueError, match=r"^items \[1, 2, 3, 4, 5, 6, 7, 8, 9, 10\] are in no part$"):
+        refine([[0]], [1.0] * 13)  # the first ten of the twelve missing ones; item 0 (in part 0) is not among them

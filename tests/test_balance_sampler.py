@@ -175,3 +175,16 @@ def test_plan_ahead_gives_the_same_bundles_and_takes_planning_off_the_critical_p
     assert first_two == inline[0][:2] and partial.state_dict()["step"] == 2
     with pytest.raises(ValueError, match="plan_ahead must be an integer >= 0"):
         ODCBatchSampler(lengths, rank=0, plan_ahead=-1, **args)
+
+
+def test_a_resume_state_is_accepted_exactly_within_its_bounds():
+    """epoch >= 0 and 0 <= step <= steps per epoch (step == steps: the epoch is done, the next one starts)."""
+    sampler = ODCBatchSampler([10] * 8, world_size=1, rank=0, minibatch_size=2, max_tokens_per_microbatch=BUDGET)
+    steps = len(sampler)
+    assert steps == 4
+    for epoch, step in ((0, 0), (0, steps), (3, 1)):
+        sampler.load_state_dict({"epoch": epoch, "step": step})
+        assert sampler.state_dict()["epoch"] == epoch
+    for epoch, step in ((-1, 0), (0, -1), (0, steps + 1)):
+        with pytest.raises(ValueError, match=rf"^invalid sampler state .* for {steps} steps per epoch$"):
+            sampler.load_state_dict({"epoch": epoch, "step": step})

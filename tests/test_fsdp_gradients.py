@@ -130,3 +130,29 @@ def test_dtensor_gradients_are_read_through_their_local_part():
 def test_a_norm_type_below_one_is_refused(norm_type):
     with pytest.raises(ValueError, match=r"norm_type must be >= 1 or inf, got"):
         clip_grad_norm_(OneRank(), _params(), 1.0, norm_type)
+
+
+def _two_rank_dtensor_norm(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    class Group(OneRank):
+        def reduce_sum(self, value, what=None):
+            total = torch.tensor([value], dtype=torch.float64)
+            dist.all_reduce(total)
+            return float(total)
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    p = torch.nn.Parameter(distribute_tensor(torch.zeros(4), mesh, [Shard(0)]))
+    full = torch.tensor([3.0, 0.0, 0.0, 4.0])  # rank 0 holds [3, 0], rank 1 [0, 4]
+    p.grad = distribute_tensor(full, mesh, [Shard(0)])
+    return float(clip_grad_norm_(Group(), [p], math.inf))
+
+
+def test_dtensor_gradients_count_once_over_two_ranks():
+    """Each rank's norm term is of its own shard, summed once by the handle's barrier: sqrt(9 + 16) = 5 on both ranks.
+    A DTensor read whole (without its local part) would be reduced over the mesh and then again by the barrier."""
+    from odc_hf.testing import run_ranks
+
+    assert run_ranks(_two_rank_dtensor_norm, 2) == [pytest.approx(5.0)] * 2
