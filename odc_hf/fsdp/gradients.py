@@ -22,7 +22,6 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
-@torch.no_grad()
 def clip_grad_norm_(handle, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
                     ) -> torch.Tensor:  # fmt: skip
     """Clip the gradients of ``parameters`` (sharded by ``handle``'s model) to ``max_norm`` in the ``norm_type`` norm
@@ -33,20 +32,21 @@ def clip_grad_norm_(handle, parameters: Iterable[torch.Tensor], max_norm: float,
     norm_type = float(norm_type)
     if not (norm_type >= 1.0):  # NaN fails too
         raise ValueError(f"norm_type must be >= 1 or inf, got {norm_type}")
-    grads = [_local(p.grad) for p in parameters if p.grad is not None]
-    grads = [g for g in grads if g.numel()]
-    device = grads[0].device if grads else handle._device()
-    if math.isinf(norm_type):
-        local = float(torch.stack([g.detach().abs().max().float() for g in grads]).max()) if grads else 0.0
-        total = handle.reduce_max(local)
-    else:
-        # fp64 partial sums, one host sync for all of them
-        powers = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64) ** norm_type for g in grads]
-        local = float(torch.stack([p.to(device) for p in powers]).sum()) if powers else 0.0
-        total = handle.reduce_sum(local, what="gradient-norm barrier") ** (1.0 / norm_type)
-    total_norm = torch.tensor(total, dtype=torch.float32, device=device)
-    if max_norm != float("inf"):
-        coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)  # as torch's clip_grads_with_norm_
-        for g in grads:
-            g.mul_(coefficient)
-    return total_norm
+    with torch.no_grad():  # (a block, not a decorator: mutation testing mutates undecorated functions only)
+        grads = [_local(p.grad) for p in parameters if p.grad is not None]
+        grads = [g for g in grads if g.numel()]
+        device = grads[0].device if grads else handle._device()
+        if math.isinf(norm_type):
+            local = float(torch.stack([g.detach().abs().max().float() for g in grads]).max()) if grads else 0.0
+            total = handle.reduce_max(local)
+        else:
+            # fp64 partial sums, one host sync for all of them
+            powers = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64) ** norm_type for g in grads]
+            local = float(torch.stack([p.to(device) for p in powers]).sum()) if powers else 0.0
+            total = handle.reduce_sum(local, what="gradient-norm barrier") ** (1.0 / norm_type)
+        total_norm = torch.tensor(total, dtype=torch.float32, device=device)
+        if max_norm != float("inf"):
+            coefficient = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)  # as torch's clip_grads_with_norm_
+            for g in grads:
+                g.mul_(coefficient)
+        return total_norm
