@@ -188,3 +188,43 @@ def test_a_resume_state_is_accepted_exactly_within_its_bounds():
     for epoch, step in ((-1, 0), (0, -1), (0, steps + 1)):
         with pytest.raises(ValueError, match=rf"^invalid sampler state .* for {steps} steps per epoch$"):
             sampler.load_state_dict({"epoch": epoch, "step": step})
+
+
+def test_the_documented_defaults_and_a_fresh_state():
+    """Defaults as documented (seed 0, drop_last, no planning ahead, the token cost model); a new sampler stands at
+    step 0 of epoch 0; lengths are token counts (int64) whatever they came as; a given cost model is the one used."""
+    from odc_hf.balance import TokenCostModel
+
+    lengths = [10, 20, 30, 40, 50, 60, 70, 80, 90]  # 9 samples, minibatches of 2: a last, partial one
+    default = ODCBatchSampler(lengths, world_size=1, rank=0, minibatch_size=2, max_tokens_per_microbatch=BUDGET)
+    assert default.state_dict()["epoch"] == 0 and default.state_dict()["step"] == 0
+    explicit = ODCBatchSampler(lengths, world_size=1, rank=0, minibatch_size=2, max_tokens_per_microbatch=BUDGET,
+                               seed=0, drop_last=True, plan_ahead=0)  # fmt: skip
+    assert list(default) == list(explicit) and default.plan_ahead == 0
+    assert isinstance(default.cost_model, TokenCostModel) and default.lengths.dtype == np.int64
+    kept = ODCBatchSampler(lengths, world_size=1, rank=0, minibatch_size=2, max_tokens_per_microbatch=BUDGET,
+                           drop_last=False)  # fmt: skip
+    assert (len(default), len(kept)) == (4, 5)  # 9 // 2, ceil(9 / 2)
+    model = TokenCostModel()
+    assert ODCBatchSampler(lengths, world_size=1, rank=0, minibatch_size=2, max_tokens_per_microbatch=BUDGET,
+                           cost_model=model).cost_model is model  # fmt: skip
+
+
+def test_bad_sizes_and_steps_are_named():
+    for name in ("world_size", "minibatch_size"):
+        kwargs = {"world_size": 1, "minibatch_size": 2, name: 0}
+        with pytest.raises(ValueError, match=rf"^{name} must be a positive integer, got 0$"):
+            ODCBatchSampler([10] * 4, rank=0, max_tokens_per_microbatch=BUDGET, **kwargs)
+    sampler = ODCBatchSampler([10] * 8, world_size=1, rank=0, minibatch_size=2, max_tokens_per_microbatch=BUDGET)
+    with pytest.raises(ValueError, match=r"^step must be in \[0, 4\), got 4$"):
+        sampler.minibatch_indices(4)
+
+
+def test_planning_ahead_resumes_at_the_saved_step():
+    """A sampler that plans ahead and resumes mid-epoch yields the steps after the saved one, as one that does not."""
+    lengths = np.random.default_rng(2).integers(10, 500, size=48)
+    args = dict(world_size=2, minibatch_size=8, max_tokens_per_microbatch=512, seed=1, rank=0)
+    inline = list(ODCBatchSampler(lengths, **args))
+    resumed = ODCBatchSampler(lengths, plan_ahead=2, **args)
+    resumed.load_state_dict({"epoch": 0, "step": 3})
+    assert list(resumed) == inline[3:]
