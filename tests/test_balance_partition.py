@@ -131,3 +131,86 @@ def test_refine_names_what_is_wrong_with_the_parts():
         refine([[0, 1, 2]], [1.0, 1.0])  # index == number of items: out of range
     with pytest.raises(ValueError, match=r"^items \[1, 2, 3, 4, 5, 6, 7, 8, 9, 10\] are in no part$"):
         refine([[0]], [1.0] * 13)  # the first ten of the twelve missing ones; item 0 (in part 0) is not among them
+
+
+def _reference_ldm_sums(costs, k):
+    """Largest differencing, written plainly: every item starts as a k-tuple (its cost, then zeros); the two tuples
+    of largest spread (largest minus smallest subset) merge, heaviest subset of one with lightest of the other;
+    the last tuple's subset sums, ascending."""
+    tuples = [[c] + [0.0] * (k - 1) for c in sorted(costs, reverse=True)]
+    while len(tuples) > 1:
+        tuples.sort(key=lambda t: -(t[0] - t[-1]))  # stable: ties in creation order
+        a, b = tuples.pop(0), tuples.pop(0)
+        tuples.append(sorted((a[j] + b[k - 1 - j] for j in range(k)), reverse=True))
+    return sorted(tuples[0])
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_karmarkar_karp_is_largest_differencing(k):
+    rng = np.random.default_rng(k)
+    for _ in range(5):
+        costs = rng.lognormal(0, 1, 40)  # fewer than the starting-tuple cap: the textbook method, item by item
+        got = sorted(part_sums(karmarkar_karp(costs, k), costs))
+        assert got == pytest.approx(_reference_ldm_sums(costs.tolist(), k), rel=1e-12)
+
+
+def test_one_part_or_no_items_label_every_item_zero_as_integers():
+    from odc_hf.balance.partition import karmarkar_karp_labels
+
+    for costs, k in (([3.0, 1.0, 2.0], 1), ([], 4)):
+        labels = karmarkar_karp_labels(costs, k)
+        assert labels.dtype == np.int64 and labels.tolist() == [0] * len(costs)
+
+
+def _reference_refine_sums(parts, costs, swap_partners=8, tolerance=1e-5):
+    """refine's rule as its docstring states it, written plainly for real-valued costs without ties: each round the
+    heaviest part h; the best of every move of one of its items to the lightest part and every swap of one of its
+    items with an item of one of the ``swap_partners`` lightest other parts, by the larger of the two new sums,
+    applied only if below sum(h); stop within ``tolerance`` of max(total / parts, largest item), or when no change
+    helps. Returns the part sums, ascending."""
+    k = len(parts)
+    parts = [list(p) for p in parts]
+    bound = (1 + tolerance) * max(sum(costs) / k, max(costs))
+    for _ in range(4 * (len(costs) + k)):
+        sums = [sum(costs[i] for i in p) for p in parts]
+        h = max(range(k), key=lambda q: (sums[q], -q))
+        if sums[h] <= bound:
+            break
+        light = min(range(k), key=lambda q: (sums[q], q))
+        best = (sums[h], None)
+        for x in parts[h]:
+            if light != h:
+                value = max(sums[h] - costs[x], sums[light] + costs[x])
+                if value < best[0]:
+                    best = (value, ("move", x, light))
+        lightest = sorted(range(k), key=lambda q: (sums[q], q))[: swap_partners + 1]
+        for p in (q for q in lightest if q != h):
+            for x in parts[h]:
+                for y in parts[p]:
+                    d = costs[x] - costs[y]
+                    value = max(sums[h] - d, sums[p] + d)
+                    if value < best[0]:
+                        best = (value, ("swap", x, y, p))
+        if best[1] is None:
+            break
+        change = best[1]
+        parts[h].remove(change[1])
+        if change[0] == "move":
+            parts[change[2]].append(change[1])
+        else:
+            parts[change[3]].remove(change[2])
+            parts[change[3]].append(change[1])
+            parts[h].append(change[2])
+    return sorted(sum(costs[i] for i in p) for p in parts)
+
+
+@pytest.mark.parametrize("k", [2, 3, 12])
+def test_refine_follows_its_stated_rule(k):
+    rng = np.random.default_rng(10 + k)
+    for _ in range(4):
+        costs = rng.lognormal(0, 1, 3 * k + 5).tolist()
+        start = [list(range(p, len(costs), k)) for p in range(k)]  # a poor start: dealt round robin
+        start[0] += start[-1][:2]  # the first part overloaded
+        start[-1] = start[-1][2:]
+        got = sorted(part_sums(refine(start, costs), costs))
+        assert got == pytest.approx(_reference_refine_sums(start, costs), rel=1e-12)
