@@ -161,3 +161,46 @@ def test_a_window_the_layer_keeps_as_an_attribute_is_read_when_the_call_passes_n
     for odd in (True, "4", 4.0, None):
         layer.sliding_window = odd
         assert variants.take_variant(layer, {}).window is None, odd
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 50])
+@pytest.mark.parametrize("offset", [0, 4])
+def test_allowed_is_causal_within_the_window_and_additive_keeps_its_zeros(window, offset):
+    """``allowed``: query i (at i + offset) sees key j iff j <= i + offset and, with a window w, j > i + offset - w;
+    ``additive``: 0 where allowed, the dtype's minimum elsewhere, in that dtype."""
+    mask = variants.allowed(2, 9, 1, 12, window, q_offset=offset)
+    expected = torch.tensor([[j <= i + offset and (window is None or j > i + offset - window) for j in range(1, 12)]
+                             for i in range(2, 9)])  # fmt: skip
+    assert torch.equal(mask, expected)
+    for dtype in (torch.float32, torch.bfloat16):
+        add = variants.additive(mask, dtype)
+        assert add.dtype == dtype and torch.equal(add == 0, mask)
+        assert torch.all(add[~mask] == torch.finfo(dtype).min)
+
+
+def test_the_familys_own_eager_function_or_a_named_refusal():
+    from transformers.models.gemma2 import modeling_gemma2
+
+    model = _model("gemma2_window_softcap")
+    layer = next(m for m in model.modules() if type(m).__name__ == "Gemma2Attention")
+    assert variants.eager_function(layer) is modeling_gemma2.eager_attention_forward
+    with pytest.raises(variants.UnsupportedAttentionArgument,
+                       match=r"^Linear needs soft-capping or attention sinks, and its modeling file "
+                             r"\(torch\.nn\.modules\.linear\) has no eager_attention_forward"):  # fmt: skip
+        variants.eager_function(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["gemma2_window_softcap", "gpt_oss_window_sinks"])
+def test_cached_decoding_equals_the_models_own_attention(name):
+    """Generation with a cache: each decode step's query sits at the end of its keys (no mask: the masked path builds
+    the causal, windowed one with the queries' offset). Greedy tokens and every step's logits equal eager's."""
+    model = _model(name)
+    ids = torch.randint(1, 97, (1, 20), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        reference = model.generate(ids, **kwargs)
+        model.set_attn_implementation("eager_varlen")
+        ours = model.generate(ids, **kwargs)
+    assert torch.equal(ours.sequences, reference.sequences)
+    for a, b in zip(ours.logits, reference.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
