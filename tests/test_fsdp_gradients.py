@@ -156,3 +156,30 @@ def test_dtensor_gradients_count_once_over_two_ranks():
     from odc_hf.testing import run_ranks
 
     assert run_ranks(_two_rank_dtensor_norm, 2) == [pytest.approx(5.0)] * 2
+
+
+def test_the_norm_is_fp32_on_the_gradients_device_or_the_handles_without_gradients():
+    """The returned norm is a 0-d fp32 tensor (whatever torch's default dtype) on the gradients' device; a rank with
+    no gradients puts it on its handle's device (meta here: a device no gradient is on)."""
+
+    class MetaHandle(OneRank):
+        def _device(self):
+            return torch.device("meta")
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        norm = clip_grad_norm_(MetaHandle(), _params(), 1.0)
+        assert norm.dtype == torch.float32 and norm.device.type == "cpu" and norm.dim() == 0
+        empty = clip_grad_norm_(MetaHandle(), [torch.nn.Parameter(torch.zeros(2))], 1.0)
+        assert empty.dtype == torch.float32 and empty.device.type == "meta"
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_the_clip_coefficient_is_max_norm_over_norm_plus_1e_6():
+    """torch's clip_grads_with_norm_ divides by (norm + 1e-6): visible when the norm itself is ~1e-6."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3e-6, 4e-6])  # norm 5e-6
+    clip_grad_norm_(OneRank(), [p], 1e-6)
+    torch.testing.assert_close(p.grad, torch.tensor([3e-6, 4e-6]) * (1e-6 / 6e-6), rtol=1e-5, atol=0)
