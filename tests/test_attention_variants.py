@@ -204,3 +204,25 @@ def test_cached_decoding_equals_the_models_own_attention(name):
     assert torch.equal(ours.sequences, reference.sequences)
     for a, b in zip(ours.logits, reference.logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_refusals_say_what_the_layer_passed_and_what_to_use():
+    class OddLayer(torch.nn.Module):
+        pass
+
+    with pytest.raises(variants.UnsupportedAttentionArgument) as refused:
+        variants.take_variant(OddLayer(), {"alibi": torch.zeros(1)})
+    assert str(refused.value) == (
+        f"odc_hf's packed-row attention (sdpa_varlen) got the attention argument(s) ['alibi'] from OddLayer "
+        f"({__name__}) and does not apply them per document; the model would train differently from its definition. "
+        "Use ODCConfig(attention='model') with the model loaded with attn_implementation='sdpa' or 'eager' "
+        "(transformers' own masks over packed rows)"
+    )
+    assert variants.take_variant(OddLayer(), {"sliding_window": 1}).window == 1  # a query sees itself alone
+    for bad in (0, -3, 2.5):
+        with pytest.raises(variants.UnsupportedAttentionArgument,
+                           match=rf"^OddLayer: sliding_window={bad!r} is not a window size$"):  # fmt: skip
+            variants.take_variant(OddLayer(), {"sliding_window": bad})
+    with pytest.raises(variants.UnsupportedAttentionArgument, match=r"ODCConfig\(attention='model'\) with "
+                       r"attn_implementation='eager'$"):  # fmt: skip
+        variants.eager_function(OddLayer())

@@ -143,13 +143,10 @@ def document_attention(module, query, key, value, variant: Variant, kwargs: dict
         end = min(n, start + step)
         first = 0 if window is None else max(0, start - window + 1)
         q, k, v = query[:, :, start:end], key[:, :, first:end], value[:, :, first:end]
+        mask = allowed(start, end, first, end, window, device=query.device)  # causal, and banded with a window
         if variant.eager:
-            mask = additive(allowed(start, end, first, end, window, device=query.device), query.dtype)
-            outputs.append(function(module, q, k, v, mask[None, None], **arguments)[0])
-        elif window is None:
-            outputs.append(sdpa_attention_forward(module, q, k, v, None, **kwargs)[0])
-        else:
-            mask = allowed(start, end, first, end, window, device=query.device)
+            outputs.append(function(module, q, k, v, additive(mask, query.dtype)[None, None], **arguments)[0])
+        else:  # SDPA runs here only with a window shorter than the document (the caller runs the rest unmasked)
             outputs.append(sdpa_attention_forward(module, q, k, v, mask[None, None], **kwargs)[0])
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
