@@ -214,3 +214,16 @@ def test_refine_follows_its_stated_rule(k):
         start[-1] = start[-1][2:]
         got = sorted(part_sums(refine(start, costs), costs))
         assert got == pytest.approx(_reference_refine_sums(start, costs), rel=1e-12)
+
+
+def test_bad_costs_are_named_in_full():
+    with pytest.raises(ValueError, match=r"^costs must be 1-D, got shape \(2, 2\)$"):
+        karmarkar_karp([[1.0, 2.0], [3.0, 4.0]], 2)
+    for bad in ([1.0, float("nan")], [1.0, -1.0], [float("inf")]):
+        with pytest.raises(ValueError, match=r"^costs must be finite and >= 0$"):
+            lpt(bad, 2)
+
+
+def test_refine_fills_empty_last_parts():
+    """Parts left empty at the end of the list are parts too: refine moves items into them."""
+    assert sorted(part_sums(refine([[0, 1, 2, 3], [], []], [1.0, 1.0, 1.0, 1.0]), [1.0] * 4)) == [1.0, 1.0, 2.0]
