@@ -59,7 +59,7 @@ def test_relaunch_on_one_gpu_puts_both_ranks_on_it(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     calls = []
-    monkeypatch.setattr(odc_run.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    monkeypatch.setattr(odc_run.rank_errors, "run_launcher", lambda cmd, env: calls.append((cmd, env)) or 0)
     with pytest.raises(SystemExit) as exit_info:
         odc_run.relaunch_if_needed("examples/sft.py", ["--max_steps", "1"], config_dir=ROOT / "accelerate_configs")
     assert exit_info.value.code == 0
@@ -72,7 +72,7 @@ def test_relaunch_on_one_gpu_puts_both_ranks_on_it(monkeypatch, capsys):
 def test_one_process_runs_here(monkeypatch, capsys):
     for name in ("RANK", "LOCAL_RANK", "ODC_NO_RELAUNCH"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(odc_run.subprocess, "call", lambda *a, **k: pytest.fail("one process must not relaunch"))
+    monkeypatch.setattr(odc_run.rank_errors, "run_launcher", lambda *a, **k: pytest.fail("one process must not relaunch"))
     odc_run.relaunch_if_needed("examples/sft.py", [], config_dir=ROOT / "accelerate_configs", processes=1)
     assert "1 process on" in capsys.readouterr().out
 
