@@ -32,13 +32,19 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in files for k, v in load_file(f).items()}
 
 
+def changed_tensors(saved: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the tensors of ``saved`` that differ from ``initial``'s (both hold the same names)."""
+    assert saved.keys() == initial.keys(), sorted(saved.keys() ^ initial.keys())
+    return [k for k in saved if not torch.equal(saved[k].float(), initial[k].float())]
+
+
 def assert_trained_copy(saved: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> None:
     """``saved`` holds the same tensors (names, shapes) as ``initial``, all finite, and training changed them. (A
     tied output embedding is not written out: odc_hf's CPU save path drops it as transformers' own save does.)"""
     assert saved.keys() == initial.keys(), sorted(saved.keys() ^ initial.keys())
     assert all(saved[k].shape == initial[k].shape for k in saved)
     assert all(torch.isfinite(v).all() for v in saved.values())
-    changed = [k for k in saved if not torch.equal(saved[k].float(), initial[k].float())]
+    changed = changed_tensors(saved, initial)
     assert changed, "the saved weights equal the initial ones: nothing trained (or the wrong state was saved)"
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from recipe_checks import changed_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "# the same on CPU and offline"
@@ -118,11 +118,6 @@ def _grpo_run(tmp_path: Path, monkeypatch, reward: str | None = None, steps: int
     return losses, rewards, saved, initial
 
 
-def _changed(saved, initial) -> list[str]:
-    assert saved.keys() == initial.keys(), sorted(saved.keys() ^ initial.keys())
-    return [k for k in saved if not torch.equal(saved[k], initial[k])]
-
-
 @pytest.mark.slow
 def test_the_documented_grpo_recipe_trains(tmp_path, monkeypatch):
     """The documented GRPO recipe on CPU visibly trains: rewards and losses are not zero, and every saved tensor
@@ -131,7 +126,7 @@ def test_the_documented_grpo_recipe_trains(tmp_path, monkeypatch):
     print(f"losses {losses}, rewards {rewards}")
     assert len(rewards) == 6 and all(r > 0 for r in rewards), rewards
     assert all(abs(x) > 1e-2 for x in losses), losses  # GRPO's loss is 0 up to rounding on equal-length completions
-    changed = _changed(saved, initial)
+    changed = changed_tensors(saved, initial)
     assert sorted(changed) == sorted(saved), f"tensors that did not move: {sorted(set(saved) - set(changed))}"
 
 
@@ -142,7 +137,7 @@ def test_control_the_old_documented_reward_trains_nothing(tmp_path, monkeypatch)
     of the test's three checks fails on it."""
     losses, rewards, saved, initial = _grpo_run(tmp_path, monkeypatch, reward="think_format_reward", steps=2)
     assert rewards == [0.0, 0.0] and all(abs(x) < 1e-6 for x in losses), (losses, rewards)
-    assert _changed(saved, initial) == []
+    assert changed_tensors(saved, initial) == []
 
 
 def test_the_offline_helper_writes_conversational_prompts_for_grpo(tmp_path, monkeypatch):

@@ -188,7 +188,7 @@ class ObservabilityPart:
                 f"steps): {', '.join(parts)}")  # fmt: skip
         if timeline is not None:
             line += f"; timeline: {timeline}"
-        resumed = getattr(self, "odc_resumed_from", None)
+        resumed = self.odc_resumed_from  # CheckpointPart's, the other part of the same mixin
         if resumed is not None:
             line += f"; resumed from {resumed[0]} (step {resumed[1]})"
         return line
