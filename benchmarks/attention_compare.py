@@ -12,7 +12,7 @@
   - ``padded``: ODCGRPOTrainer's padded layout (``grpo_layout="padded"``) as it runs on this device under
     ``sdpa``/``sdpa_varlen``: the samples binned by length (``odc_hf.balance.padded.pack_padded``, ``GRPO_ROWS`` rows
     at most), prompts left-padded, completions right-padded, rows rounded up to ``CUDA_PAD_TO_MULTIPLE_OF`` columns
-    on CUDA (the guard against cuDNN's NaN, ``odc_hf.integrations.grpo_batch.padded_columns_multiple``);
+    on CUDA (the guard against cuDNN's NaN, ``odc_hf.integrations.trl.grpo_batch.padded_columns_multiple``);
   - ``padded unrounded`` (CUDA only): the same bins without the rounding: the trainer's padded layout under
     FlashAttention, and the least padding a padded layout has;
   - ``trl``: TRL's own layout: microbatches of consecutive samples of the generation batch, every row padded to the
@@ -72,7 +72,7 @@ def rows(tiny: bool) -> list[tuple[str, list[int]]]:
 def _sft_batch(docs, vocab, device, seed):
     import torch
 
-    from odc_hf.integrations.bundle import BundleCollator
+    from odc_hf.integrations.trainer.bundle import BundleCollator
 
     g = torch.Generator().manual_seed(seed)
     examples = [{"input_ids": torch.randint(1, vocab, (n,), generator=g).tolist()} for n in docs]
@@ -114,7 +114,7 @@ def grpo_microbatches(completions, prompt, vocab, device, budget, *, layout: str
     completion tokens (TRL's ``_get_per_token_logps_and_entropies``); the same tokens in every layout."""
     import torch
 
-    from odc_hf.integrations.grpo_batch import pack_rows
+    from odc_hf.integrations.trl.grpo_batch import pack_rows
 
     g = torch.Generator().manual_seed(seed)
     lengths = [prompt + c for c in completions]
@@ -157,9 +157,9 @@ def run(size: str, attns: list[str], args: dict) -> dict:
 
     from odc_hf import attention
     from odc_hf.balance.cost import FlopCostModel
-    from odc_hf.integrations import activation_checkpointing as ac
-    from odc_hf.integrations import compute_path as cp
-    from odc_hf.integrations.attention_setup import fa4_problem, resolve_attention
+    from odc_hf.integrations.compute import activation_checkpointing as ac
+    from odc_hf.integrations.compute import fused_head as cp
+    from odc_hf.integrations.compute.attention import fa4_problem, resolve_attention
 
     tiny = args["tiny"]
     device = torch.device("cpu" if tiny else "cuda")
@@ -186,7 +186,7 @@ def run(size: str, attns: list[str], args: dict) -> dict:
     longest = args.get("max_tokens") or 10**9  # SIZE:TOKENS in --models: rows up to that many tokens (7B: 16384)
     work = {name: (docs, _sft_batch(docs, config.vocab_size, device, i))
             for i, (name, docs) in enumerate(rows(tiny)) if sum(docs) <= longest}  # fmt: skip
-    from odc_hf.integrations.grpo_batch import padded_columns_multiple
+    from odc_hf.integrations.trl.grpo_batch import padded_columns_multiple
 
     # ODCGRPOTrainer's rule: its padded rows under sdpa_varlen here ("padded unrounded": under FlashAttention)
     multiple = padded_columns_multiple(device.type, attention.VARLEN_ATTENTION)

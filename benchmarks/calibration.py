@@ -4,7 +4,7 @@
     python benchmarks/calibration.py --model 1.5B --attention flash_attention_4 --out $OUT   # FA4, when installed
     python benchmarks/calibration.py --model tiny --lengths 64,128,256,512 --out /tmp/cal    # CPU smoke run
 
-The path the ODC trainers run (odc_hf/integrations/compute_path.py; docs/performance.md): TRL's fused LM head (no
+The path the ODC trainers run (odc_hf/integrations/compute/fused_head.py; docs/performance.md): TRL's fused LM head (no
 logits), Liger's layer kernels when liger-kernel is installed and the device is CUDA, activation checkpointing as
 ``activation_checkpointing="auto"`` plans it for ``--max-tokens`` on this GPU (``--world-size`` ranks' resident
 state: auto picks for the sharded run it will plan, not for this unsharded copy), the ``--attention`` given. An
@@ -69,8 +69,8 @@ def build(args, device):
 def calibrate_default_path(args) -> dict:
     import torch
 
-    from odc_hf.integrations import activation_checkpointing as ac
-    from odc_hf.integrations import compute_path as cp
+    from odc_hf.integrations.compute import activation_checkpointing as ac
+    from odc_hf.integrations.compute import fused_head as cp
     from odc_hf.prediction.calibrate import time_lengths
     from odc_hf.prediction.cluster import ModelShape
 

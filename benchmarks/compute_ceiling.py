@@ -11,7 +11,7 @@ the trainers feed the model; per-document attention). Variants, in this order (L
 - ``flce``: Liger's fused linear cross-entropy + layer kernels (ODCTrainer's loss on plain models), auto AC.
 
 odc_hf's default path is the ``liger`` row with the AC that ``auto`` chooses (ODCSFTTrainer; ODCTrainer: ``flce``):
-``odc_hf.integrations.compute_path`` calibrates the memory model on this GPU exactly as the trainers do. Seconds:
+``odc_hf.integrations.compute.fused_head`` calibrates the memory model on this GPU exactly as the trainers do. Seconds:
 median of ``--repeats`` CUDA-event timings after a warm-up run. MFU: causal-halved FLOPs ``6·N·s + 6·L·d·s²`` per
 document / (seconds x 989 TFLOP/s), recomputation not counted. Losses are compared with the fp32 full-logits loss
 of the same weights. Each model runs in its own process (Liger's patches are process-wide).
@@ -60,7 +60,7 @@ def rows_for(lengths: list[int]) -> list[tuple[str, list[int]]]:
 def _batch(docs: list[int], vocab: int, device, seed: int) -> dict:
     import torch
 
-    from odc_hf.integrations.bundle import BundleCollator
+    from odc_hf.integrations.trainer.bundle import BundleCollator
 
     g = torch.Generator().manual_seed(seed)
     examples = [{"input_ids": torch.randint(1, vocab, (n,), generator=g).tolist()} for n in docs]
@@ -70,7 +70,7 @@ def _batch(docs: list[int], vocab: int, device, seed: int) -> dict:
 
 
 def _step(model, batch, loss: str):
-    from odc_hf.integrations.compute_path import TRL_FUSED_HEAD
+    from odc_hf.integrations.compute.fused_head import TRL_FUSED_HEAD
 
     out = model(**batch, fused_lm_head=True) if loss == TRL_FUSED_HEAD else model(**batch)
     out.loss.backward()
@@ -116,8 +116,8 @@ def _calibrate(model, kernels, loss, tokens, device, dtype, device_gib):
 
     import torch
 
-    from odc_hf.integrations.activation_checkpointing import calibrate_memory
-    from odc_hf.integrations.compute_path import DEVICE_HEADROOM
+    from odc_hf.integrations.compute.activation_checkpointing import calibrate_memory
+    from odc_hf.integrations.compute.fused_head import DEVICE_HEADROOM
 
     memory = calibrate_memory(model, device=device, dtype=dtype, kernels=kernels, loss=loss, tokens=tokens)
     params = float(sum(p.numel() * p.element_size() for p in model.parameters()))
@@ -135,8 +135,8 @@ def run_model(size: str, lengths: list[int], args: dict) -> dict:
     from odc_hf import attention
     from odc_hf.balance.cost import FlopCostModel
     from odc_hf.balance.memory import checkpointed_indices, choose_checkpointing, describe_checkpointing
-    from odc_hf.integrations import compute_path as cp
-    from odc_hf.integrations.activation_checkpointing import enable_checkpointing
+    from odc_hf.integrations.compute import fused_head as cp
+    from odc_hf.integrations.compute.activation_checkpointing import enable_checkpointing
 
     tiny = args["tiny"]
     device = torch.device("cpu" if tiny else "cuda")

@@ -2,7 +2,7 @@
 
 For each ``model_type`` with a causal-LM class: its default config, with every sliding window switched on where the
 config has one (``--windows``), the static refusals (multimodal, non-attention layer types, chunked attention), then
-:func:`odc_hf.integrations.definition_check.check_class` on a small copy: ``exact``, ``refused`` (with its reason), or
+:func:`odc_hf.integrations.models.definition_check.check_class` on a small copy: ``exact``, ``refused`` (with its reason), or
 ``error`` (the default config itself does not build, or no small copy could be made: in training the check then runs
 on the user's model itself). Also the check's cost per family. Writes JSON + markdown.
 
@@ -44,9 +44,9 @@ def sweep(names: list[str], windows: bool) -> dict[str, dict]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     import odc_hf.attention
-    from odc_hf.integrations import definition_check
-    from odc_hf.integrations.model_family import refusal
-    from odc_hf.integrations.transformers_version import supports_sdpa
+    from odc_hf.integrations.models import definition_check
+    from odc_hf.integrations.models.family import refusal
+    from odc_hf.integrations.upstream.transformers import supports_sdpa
 
     rows = {}
     for name in names:

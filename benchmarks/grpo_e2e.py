@@ -116,7 +116,7 @@ def padded_microbatch(samples, device, multiple: int = 1):
     """TRL's layout: prompts left-padded, completions right-padded; labels only on completion tokens.
 
     ``multiple``: round the row width up to it with masked completion columns (CUDA: see
-    ``odc_hf.integrations.grpo_batch.CUDA_PAD_TO_MULTIPLE_OF``, a torch 2.11 cuDNN NaN at widths 64 mod 128).
+    ``odc_hf.integrations.trl.grpo_batch.CUDA_PAD_TO_MULTIPLE_OF``, a torch 2.11 cuDNN NaN at widths 64 mod 128).
     """
     import torch
 
@@ -163,7 +163,7 @@ def predicted_step(samples, layout: dict, cost_model) -> dict:
     """
 
     from odc_hf.balance import padded_width
-    from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
+    from odc_hf.integrations.trl.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
 
     def cost(mb):
         prompt = max(len(samples[i]["prompt"]) for i in mb)
@@ -244,7 +244,7 @@ def _rank(rank: int, world: int, args):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from odc_hf.fsdp import install_odc, sum_reduction
-    from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
+    from odc_hf.integrations.trl.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -440,7 +440,7 @@ def markdown(env: dict, result: dict, summary: dict, args) -> str:
 
 def predict(args) -> list[dict]:
     """``--predict``: the cost model's fwd+bwd step times of both layouts on the run's rollouts (no training, CPU)."""
-    from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
+    from odc_hf.integrations.trl.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF
 
     config, cap = _config(args)
     cost_model, cost_name = _cost_model(args, config)

@@ -174,7 +174,7 @@ def run_variant(args, variant: str, model_dir: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from odc_hf import ODCConfig, ODCGRPOConfig, ODCGRPOTrainer
-    from odc_hf.integrations.vllm_version import prefer_vllm_environment
+    from odc_hf.integrations.upstream.vllm import prefer_vllm_environment
 
     prefer_vllm_environment()  # T too: both engines in the same environment (VLLM_ENABLE_V1_MULTIPROCESSING=0, ...)
     if args.smoke:  # the CPU stand-in for vLLM's LLM (TRL builds it where it would build vLLM's)

@@ -46,8 +46,8 @@ def _run(rank, world_size, args):
 
     from benchmarks.sft_setup import build_model, calibrate_cost_model, model_config, run_step, sample_ids
     from odc_hf import attention
-    from odc_hf.integrations.bundle import BundleCollator
-    from odc_hf.integrations.stats import DeviceClock
+    from odc_hf.integrations.trainer.bundle import BundleCollator
+    from odc_hf.integrations.trainer.stats import DeviceClock
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")

@@ -9,7 +9,7 @@ Variants (docs/design.md definitions; every variant trains the same samples in t
 - **B** FSDP2 collectives + LB-Micro (equal microbatch counts, cost-balanced per microbatch index), A's compute path;
 - **C** ODC + LB-Micro (same plan and compute path as B: isolates the communication change);
 - **D** ODC + LB-Mini with odc_hf's defaults (the product): TRL's fused head, Liger's layer kernels when installed on
-  CUDA, activation checkpointing chosen by ``auto`` for the token budget (``odc_hf.integrations.activation_checkpointing``),
+  CUDA, activation checkpointing chosen by ``auto`` for the token budget (``odc_hf.integrations.compute.activation_checkpointing``),
   planned with a cost model calibrated on that path. Liger's RoPE patch is process-wide, so with Liger installed A-C
   use its RoPE too (their RMSNorm and MLP stay transformers');
 - **bound**: Σ single-GPU fwd+bwd time of the minibatch's samples / ranks + optimizer time, from a cost model
@@ -105,8 +105,8 @@ def _run(rank, world_size, args):
     from odc_hf import attention
     from odc_hf.balance.cost import FlopCostModel
     from odc_hf.balance.planner import makespan_lower_bound
-    from odc_hf.integrations.bundle import BundleCollator
-    from odc_hf.integrations.stats import DeviceClock
+    from odc_hf.integrations.trainer.bundle import BundleCollator
+    from odc_hf.integrations.trainer.stats import DeviceClock
 
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -115,8 +115,8 @@ def _run(rank, world_size, args):
     began = time.monotonic()
     env = report.environment() if rank == 0 else None
     from odc_hf.balance.memory import describe_checkpointing
-    from odc_hf.integrations import activation_checkpointing as ac
-    from odc_hf.integrations import compute_path as cp
+    from odc_hf.integrations.compute import activation_checkpointing as ac
+    from odc_hf.integrations.compute import fused_head as cp
 
     # A-C: TRL SFTTrainer's defaults (fused head, full AC; calibrated first, before any Liger patch). D: odc_hf's.
     cost_model, points = calibrate_cost_model(rank, world_size, args, device, config)

@@ -36,8 +36,8 @@ def sample_ids(seed: int, step: int, index: int, length: int, vocab: int) -> lis
 
 def compute_path(model, kernels: str, checkpointed: int) -> None:
     """A variant's compute path on a not yet sharded model: Liger kernels, TRL SFTTrainer's fused head, AC."""
-    from odc_hf.integrations import activation_checkpointing as ac
-    from odc_hf.integrations import compute_path as cp
+    from odc_hf.integrations.compute import activation_checkpointing as ac
+    from odc_hf.integrations.compute import fused_head as cp
 
     if kernels == "liger":
         cp.apply_liger_kernels(model, fused_linear_cross_entropy=False)
@@ -84,8 +84,8 @@ def build_model(kind: str, config, device, args, kernels="none", checkpointing="
     from transformers import Qwen2ForCausalLM
 
     from odc_hf.fsdp import install_odc, shard_model, sum_reduction
-    from odc_hf.integrations import activation_checkpointing as ac
-    from odc_hf.integrations import compute_path as cp
+    from odc_hf.integrations.compute import activation_checkpointing as ac
+    from odc_hf.integrations.compute import fused_head as cp
 
     torch.manual_seed(0)
     with torch.device(device):

@@ -33,7 +33,7 @@ SFT variants (Qwen2.5-1.5B shape from a config, random init, bf16 autocast, fp32
 Each variant runs in its own process, forked from this one after the imports (no re-import; a clean CUDA context and
 no Liger patches left by another variant), in the order T, O, T+, O_sdpa, T2 (interleaved: every other run is TRL's).
 The CUDA allocator's setting is recorded per variant (T as users run TRL: torch's default; O: odc_hf's default,
-expandable segments, odc_hf/integrations/cuda_allocator.py), with its flush-and-retry count per step
+expandable segments, odc_hf/integrations/launch/cuda_allocator.py), with its flush-and-retry count per step
 (``num_alloc_retries``). Per step: seconds over the whole step (all microbatches, clipping, optimizer;
 ``cuda.synchronize`` at both ends; data loading excluded for all), tokens, loss, and the peak allocated memory. Tokens/s: the step group's tokens over
 the step seconds, steps after ``--warmup`` (the first steps carry compilation: FA4's, cuDNN's plans); the

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks import report
-from odc_hf.integrations.compute_path import DEVICE_HEADROOM
+from odc_hf.integrations.compute.fused_head import DEVICE_HEADROOM
 
 
 def _median(values):

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from odc_hf.integrations import cuda_allocator
+from odc_hf.integrations.launch import cuda_allocator
 
 GIB = 1024**3
 # per part: workload, TRL max_length (= ODC's token budget)
@@ -308,7 +308,7 @@ def run_sft_variant(args, variant: str, data: dict, out: Path, *, peft: bool = F
         # sdpa_varlen); O_sdpa: sdpa_varlen forced. The model is built on sdpa_varlen either way; "auto" replaces it.
         choice = "sdpa_varlen" if variant == "O_sdpa" else "auto"
         # the arguments first, as docs/quickstart.md builds them: ODCSFTConfig asks for the CUDA allocator's
-        # expandable segments before anything starts CUDA (odc_hf/integrations/cuda_allocator.py)
+        # expandable segments before anything starts CUDA (odc_hf/integrations/launch/cuda_allocator.py)
         odc_args = sft_args(args, out, trl=False, max_length=data["max_length"], steps=steps, **saving)
         m = model(args, "sdpa_varlen")
         cls = odc_sft_trainer(data["groups"])

@@ -152,7 +152,7 @@ def train_one(args, loss_type: str, tokenizer, dataset):
     from trl import GRPOTrainer
 
     from odc_hf import ODCConfig, ODCGRPOConfig
-    from odc_hf.integrations.grpo_trainer import ODCGRPOTrainer
+    from odc_hf.integrations.trl.grpo_trainer import ODCGRPOTrainer
 
     output_dir = Path(args.output_dir) / loss_type
     model = build_model(args, tokenizer, output_dir)
@@ -224,7 +224,7 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     parse_args()  # --help and bad flags are answered here, once, before any process is launched
-    from odc_hf.integrations.relaunch import relaunch_if_needed
+    from odc_hf.integrations.launch.relaunch import relaunch_if_needed
 
     relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs",
                        processes=parse_args().num_processes)  # fmt: skip

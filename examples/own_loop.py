@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from odc_hf import ODCAccelerator, ODCConfig, ODCFSDPPlugin
 from odc_hf.balance import FlopCostModel, ODCBatchSampler
-from odc_hf.integrations.bundle import BundleCollator, BundleDataset
+from odc_hf.integrations.trainer.bundle import BundleCollator, BundleDataset
 from odc_hf.testing.data import default_tokenized_dataset, default_tokenizer, tiny_qwen2_model
 
 

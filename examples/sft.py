@@ -216,7 +216,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     parse_args()  # --help and bad flags are answered here, once, before any process is launched
-    from odc_hf.integrations.relaunch import relaunch_if_needed
+    from odc_hf.integrations.launch.relaunch import relaunch_if_needed
 
     relaunch_if_needed(__file__, sys.argv[1:], config_dir=ROOT / "accelerate_configs",
                        processes=parse_args().num_processes)  # fmt: skip

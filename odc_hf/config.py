@@ -30,9 +30,9 @@ PEER_MEMORY_CHOICES = ("auto", "symmetric_memory", "ipc")  # odc_hf.transport.pe
 
 OTHER_ENV_VARIABLES = {
     "ODC_ACCUMULATE_MAX_CTAS": "the GPU transport's accumulate-kernel grid cap, odc_hf/transport/cuda.py",
-    "ODC_ERROR_DIR": "where launched ranks record an uncaught exception, odc_hf/integrations/rank_errors.py",
-    "ODC_EXPANDABLE_SEGMENTS": "0 keeps torch's default CUDA allocator, odc_hf/integrations/cuda_allocator.py",
-    "ODC_NO_RELAUNCH": "set in the processes odc_hf's relauncher starts, odc_hf/integrations/relaunch.py",
+    "ODC_ERROR_DIR": "where launched ranks record an uncaught exception, odc_hf/integrations/launch/rank_errors.py",
+    "ODC_EXPANDABLE_SEGMENTS": "0 keeps torch's default CUDA allocator, odc_hf/integrations/launch/cuda_allocator.py",
+    "ODC_NO_RELAUNCH": "set in the processes odc_hf's relauncher starts, odc_hf/integrations/launch/relaunch.py",
 }
 """The ``ODC_*`` variables odc_hf reads that are not ODCConfig fields, and where (every ``ODC_<FIELD>`` of ODCConfig
 is read by :meth:`ODCConfig.from_env`). With those, the one list of valid names: :func:`env_variables`."""
@@ -43,7 +43,7 @@ class ODCConfig:
     """Options of On-Demand Communication and its load balancing.
 
     Each field's ``help`` (its metadata) is its documentation, written once: the trainer arguments' ``--odc_<field>``
-    help (:mod:`odc_hf.integrations.arguments`) and the table of docs/configuration.md (checked against it by
+    help (:mod:`odc_hf.integrations.trainer.arguments`) and the table of docs/configuration.md (checked against it by
     ``tests/test_config_docs.py``) are made from it.
 
     The integer knobs (``max_tokens_per_microbatch``, ``attention_shape_bucket``, ``global_batch_size``,

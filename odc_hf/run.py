@@ -13,7 +13,7 @@ import os
 import runpy
 import sys
 
-from odc_hf.integrations.cuda_allocator import prefer_expandable_segments
+from odc_hf.integrations.launch.cuda_allocator import prefer_expandable_segments
 
 
 def check_target(target: str) -> None:
@@ -43,11 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     target, rest = argv[0], argv[1:]
     check_target(target)  # before the imports below (seconds) and before the target loads and tokenizes
     try:
-        prefer_expandable_segments()  # before anything starts CUDA in this process (odc_hf/integrations/cuda_allocator.py)
+        prefer_expandable_segments()  # before anything starts CUDA in this process (odc_hf/integrations/launch/cuda_allocator.py)
     except ValueError as err:
         raise SystemExit(f"odc_hf.run: {err}") from None
     if "LOCAL_RANK" in os.environ:  # a launched rank: ranks sharing a GPU need gloo before the target starts NCCL
-        from odc_hf.integrations import rank_errors, shared_gpu
+        from odc_hf.integrations.launch import rank_errors, shared_gpu
 
         rank_errors.install()  # an uncaught exception: one line on the screen, the traceback in a file
 
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         ODCConfig.from_env()  # the ODC_* variables' errors now, not after every rank loaded the model and the data
     except ValueError as err:
         raise SystemExit(f"odc_hf.run: {err}") from None
-    from odc_hf.integrations.trl import patch_trl
-    from odc_hf.integrations.upstream_warnings import ignore_upstream_deprecations
+    from odc_hf.integrations.trl.patch import patch_trl
+    from odc_hf.integrations.upstream.deprecations import ignore_upstream_deprecations
 
     patch_trl()
     ignore_upstream_deprecations()  # TRL's own defaults trigger them; nothing the user can change

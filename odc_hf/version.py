@@ -5,8 +5,8 @@ the CPU suite installs exactly ``tests/constraints.txt``, whose versions ``tests
 listed here). On another minor of one of these packages odc_hf **warns once**, on rank 0, naming the tested
 versions (:func:`warn_if_untested`, an :class:`UntestedVersionWarning`), and goes on. It **refuses** only where a
 name it needs is missing from the installed release, and then names it: the private names odc_hf reads are listed
-per package (``odc_hf.fsdp.internals`` for torch, ``odc_hf.integrations.transformers_version``,
-``odc_hf.integrations.trl_version``, ``odc_hf.integrations.vllm_version``) and checked when they are first needed.
+per package (``odc_hf.fsdp.internals`` for torch, ``odc_hf.integrations.upstream.transformers``,
+``odc_hf.integrations.upstream.trl``, ``odc_hf.integrations.upstream.vllm``) and checked when they are first needed.
 A name that changed meaning without disappearing cannot be detected at run time: that is what the warning is for,
 and what the parity tests check before a minor is added here.
 """

@@ -52,7 +52,7 @@ def _loop(accelerator, model, optimizer, tokenizer, data) -> dict:
     from torch.utils.data import DataLoader
 
     from odc_hf.balance import FlopCostModel
-    from odc_hf.integrations.bundle import BundleCollator, BundleDataset
+    from odc_hf.integrations.trainer.bundle import BundleCollator, BundleDataset
 
     sampler = _sampler_cls()([len(x) for x in data["input_ids"]], world_size=accelerator.num_processes,
                              rank=accelerator.process_index, minibatch_size=8, seed=sft_runs.SEED,

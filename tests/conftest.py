@@ -42,7 +42,7 @@ def _trl_names_not_trls() -> list[tuple]:
 def trl_left_unpatched():
     """A test that patches TRL (odc_hf.patch_trl) must undo it: later tests, in any order, see TRL's own classes."""
     yield
-    odc_trl = sys.modules.get("odc_hf.integrations.trl")
+    odc_trl = sys.modules.get("odc_hf.integrations.trl.patch")
     if odc_trl is not None and odc_trl._PATCHED:
         odc_trl.unpatch_trl()
         pytest.fail("this test left trl.SFTTrainer / trl.GRPOTrainer patched: use `with odc_hf.patch_trl():`")

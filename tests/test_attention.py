@@ -152,7 +152,7 @@ def test_trainer_applies_the_odcconfig_attention_setting():
 
     from odc_hf.attention import varlen as attention
     from odc_hf.config import ODCConfig
-    from odc_hf.integrations.attention_setup import choose_attention
+    from odc_hf.integrations.compute.attention import choose_attention
 
     def check(model, config):
         accelerator = SimpleNamespace(unwrap_model=lambda m: m, mixed_precision="no", device=torch.device("cpu"),

@@ -12,8 +12,8 @@ import torch
 from transformers import AttentionInterface, Qwen2ForCausalLM
 
 from odc_hf.attention import sdpa_varlen_attention_forward
-from odc_hf.integrations.bundle import BundleCollator
-from odc_hf.integrations.grpo_batch import pack_rows
+from odc_hf.integrations.trainer.bundle import BundleCollator
+from odc_hf.integrations.trl.grpo_batch import pack_rows
 from odc_hf.testing.data import tiny_qwen2_config
 
 SEEN: list[dict] = []

@@ -13,8 +13,8 @@ from transformers import Qwen2ForCausalLM
 
 from odc_hf.attention import VARLEN_ATTENTION
 from odc_hf.config import ODCConfig
-from odc_hf.integrations import attention_setup
-from odc_hf.integrations.attention_setup import (
+from odc_hf.integrations.compute import attention
+from odc_hf.integrations.compute.attention import (
     FLASH_ATTENTION_4,
     AttentionChoice,
     choose_attention,
@@ -37,9 +37,9 @@ def _trainer(model, **config):
 
 
 def test_fa4_needs_the_package_cuda_hopper_and_half_precision(monkeypatch):
-    monkeypatch.setattr(attention_setup, "fa4_installed", lambda: False)
+    monkeypatch.setattr(attention, "fa4_installed", lambda: False)
     assert "not installed" in fa4_problem("cuda", torch.bfloat16, FLASH_MODEL)
-    monkeypatch.setattr(attention_setup, "fa4_installed", lambda: True)
+    monkeypatch.setattr(attention, "fa4_installed", lambda: True)
     assert "CUDA only" in fa4_problem("cpu", torch.bfloat16, FLASH_MODEL)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # A100
     assert "8.0" in fa4_problem("cuda:0", torch.bfloat16, FLASH_MODEL)
@@ -57,7 +57,7 @@ def test_fa4_is_chosen_only_at_the_head_dimensions_it_was_measured_exact(monkeyp
     # tests/test_attention_fa4_gpu.py)
     from odc_hf.testing.data import TINY_HEAD_DIM_64
 
-    monkeypatch.setattr(attention_setup, "fa4_installed", lambda: True)
+    monkeypatch.setattr(attention, "fa4_installed", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     small = Qwen2ForCausalLM(tiny_qwen2_config(97))  # head_dim 16
     problem = fa4_problem("cuda:0", torch.bfloat16, small)
@@ -102,7 +102,7 @@ def test_explicit_choices_force_one():
 
 def test_trainer_setup_on_cpu_picks_sdpa_varlen_and_says_why(caplog):
     model = _model("sdpa")
-    with caplog.at_level("INFO", logger="odc_hf.integrations.attention_setup"):
+    with caplog.at_level("INFO", logger="odc_hf.integrations.compute.attention"):
         record = choose_attention(_trainer(model))
     assert model.config._attn_implementation == VARLEN_ATTENTION
     assert record["choice"] == "auto" and record["implementation"] == VARLEN_ATTENTION
@@ -140,7 +140,7 @@ def test_flash_attention_4_comes_with_the_kernels_extra_only():
     (FLASH_ATTENTION_4, "cuda", True), (VARLEN_ATTENTION, "cpu", True), (VARLEN_ATTENTION, "cuda", False),
     ("sdpa", "cpu", False), ("eager", "cuda", False), ("flash_attention_2", "cuda", True)])  # fmt: skip
 def test_grpo_layout_auto_packs_under_varlen_attention_that_gains(implementation, device, packed):
-    from odc_hf.integrations.grpo_trainer import _GRPOPart
+    from odc_hf.integrations.trl.grpo_trainer import _GRPOPart
 
     def layout(choice):
         trainer = SimpleNamespace(odc_config=ODCConfig(grpo_layout=choice),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from odc_hf.integrations.attention_setup import FLASH_ATTENTION_4, fa4_problem
+from odc_hf.integrations.compute.attention import FLASH_ATTENTION_4, fa4_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -23,8 +23,8 @@ def test_fa4_loss_and_gradients_equal_sdpa_varlen_on_packed_rows():
     from transformers import Qwen2ForCausalLM
 
     from odc_hf.attention import VARLEN_ATTENTION
-    from odc_hf.integrations.attention_setup import resolve_attention
-    from odc_hf.integrations.bundle import BundleCollator
+    from odc_hf.integrations.compute.attention import resolve_attention
+    from odc_hf.integrations.trainer.bundle import BundleCollator
     from odc_hf.testing.data import tiny_qwen2_config
 
     # head_dim 128 and GQA 12/2 as Qwen2.5-1.5B (FA4's kernels are built for such heads), 2 layers

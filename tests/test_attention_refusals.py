@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from odc_hf.integrations import attention_setup, model_family
-from odc_hf.integrations.model_family import FamilyNeeds
+from odc_hf.integrations.compute import attention
+from odc_hf.integrations.models import family
+from odc_hf.integrations.models.family import FamilyNeeds
 
 SIZE = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
@@ -17,9 +18,9 @@ ALL_FA4 = frozenset({"q", "k", "v", "window_size", "softcap", "learnable_sink"})
 
 def test_flash_attention_2_with_sinks_is_refused_naming_the_family():
     with pytest.raises(ValueError, match=r"gpt_oss uses attention sinks, which FlashAttention-2 does not apply"):
-        attention_setup.check_flash_variants("flash_attention_2", FamilyNeeds("gpt_oss", sinks=True))
-    attention_setup.check_flash_variants("flash_attention_2", FamilyNeeds("llama"))  # twin: no sinks, no refusal
-    attention_setup.check_flash_variants("sdpa_varlen", FamilyNeeds("gpt_oss", sinks=True))  # applied per document
+        attention.check_flash_variants("flash_attention_2", FamilyNeeds("gpt_oss", sinks=True))
+    attention.check_flash_variants("flash_attention_2", FamilyNeeds("llama"))  # twin: no sinks, no refusal
+    attention.check_flash_variants("sdpa_varlen", FamilyNeeds("gpt_oss", sinks=True))  # applied per document
 
 
 @pytest.mark.parametrize(
@@ -31,28 +32,28 @@ def test_flash_attention_2_with_sinks_is_refused_naming_the_family():
     ],
 )
 def test_fa4_is_not_chosen_for_a_variant_its_kernel_does_not_take(needs, missing, argument, monkeypatch):
-    monkeypatch.setattr(attention_setup, "flash_attention_4_arguments", lambda: ALL_FA4 - {argument})
-    problem = attention_setup.fa4_variant_problem(needs)
+    monkeypatch.setattr(attention, "flash_attention_4_arguments", lambda: ALL_FA4 - {argument})
+    problem = attention.fa4_variant_problem(needs)
     assert problem == f"{needs.family} uses ['{missing}'] and the installed FlashAttention-4's varlen kernel takes no ['{argument}']"
-    monkeypatch.setattr(attention_setup, "flash_attention_4_arguments", lambda: ALL_FA4)  # twin: the kernel takes it
-    assert attention_setup.fa4_variant_problem(needs) is None
+    monkeypatch.setattr(attention, "flash_attention_4_arguments", lambda: ALL_FA4)  # twin: the kernel takes it
+    assert attention.fa4_variant_problem(needs) is None
 
 
 def test_fa4_unknown_arguments_refuse_every_variant_and_plain_families_need_none(monkeypatch):
-    monkeypatch.setattr(attention_setup, "flash_attention_4_arguments", lambda: None)  # FA4 not installed/readable
+    monkeypatch.setattr(attention, "flash_attention_4_arguments", lambda: None)  # FA4 not installed/readable
     needs = FamilyNeeds("gemma2", window=True, softcap=True)
-    assert attention_setup.fa4_variant_problem(needs) == (
+    assert attention.fa4_variant_problem(needs) == (
         "gemma2 uses ['window', 'softcap'] and the installed FlashAttention-4's varlen kernel takes no "
         "['window_size', 'softcap']"
     )
-    assert attention_setup.fa4_variant_problem(FamilyNeeds("llama")) is None
+    assert attention.fa4_variant_problem(FamilyNeeds("llama")) is None
 
 
 @pytest.mark.parametrize("switch", [{"use_bidirectional_attention": True}, {"is_causal": False}])
 def test_bidirectional_attention_is_refused_by_name(switch):
     config = transformers.Qwen2Config(**SIZE)
     model = transformers.Qwen2ForCausalLM(config)
-    assert model_family.refusal(model) is None  # twin: the causal config is trained
+    assert family.refusal(model) is None  # twin: the causal config is trained
     for name, value in switch.items():
         setattr(model.config, name, value)
-    assert model_family.refusal(model) == "qwen2 is configured for bidirectional attention; odc_hf trains causal language models"
+    assert family.refusal(model) == "qwen2 is configured for bidirectional attention; odc_hf trains causal language models"

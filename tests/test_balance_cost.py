@@ -170,7 +170,7 @@ def test_trainer_reads_every_cost_model_json_form(tmp_path):
 
     from odc_hf.balance.cost import QuadraticCostModel
     from odc_hf.config import ODCConfig
-    from odc_hf.integrations.trainer import ODCMixin
+    from odc_hf.integrations.trainer.mixin import ODCMixin
 
     truth = QuadraticCostModel(a=0.1, b=2e-5, c=5e-10)
     microbatches = [[1000], [4000, 2000], [8000], [3000, 3000, 500], [16000]]

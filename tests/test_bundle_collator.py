@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from odc_hf.balance.sampler import ODCBatchSampler
-from odc_hf.integrations.bundle import BundleCollator, BundleDataset
+from odc_hf.integrations.trainer.bundle import BundleCollator, BundleDataset
 
 
 def test_packs_documents_into_one_row_with_restarting_positions():

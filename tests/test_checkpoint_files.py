@@ -2,7 +2,7 @@
 output directory (``trainer.save_model()``) and in every checkpoint, so tools that read them (``training_args.bin``,
 ``trainer_state.json``, the tokenizer, ...) keep working. The differences: the optimizer, saved shard by shard
 (``odc_optimizer/``, torch.distributed.checkpoint) instead of ``optimizer.pt``, and the completion marker
-``odc_checkpoint.json`` (odc_hf/integrations/resume.py)."""
+``odc_checkpoint.json`` (odc_hf/integrations/checkpoint/resume.py)."""
 
 from __future__ import annotations
 

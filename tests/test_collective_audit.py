@@ -154,7 +154,7 @@ def _grpo_rank(rank, world, output_dir, use_peft):
     from trl import GRPOConfig
 
     from odc_hf import ODCConfig
-    from odc_hf.integrations.grpo_trainer import ODCGRPOTrainer
+    from odc_hf.integrations.trl.grpo_trainer import ODCGRPOTrainer
     from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
@@ -257,6 +257,6 @@ def test_grpo_runs_no_collective_inside_the_microbatch_loop(tmp_path, one_torch_
 
 def test_liger_layer_kernels_are_audited_on_gpus_only():
     pytest.skip(
-        "Liger's layer kernels are Triton kernels that odc_hf applies only on CUDA (odc_hf.integrations.compute_path."
+        "Liger's layer kernels are Triton kernels that odc_hf applies only on CUDA (odc_hf.integrations.compute.fused_head."
         "liger_problem); there is nothing to audit on a CPU host"
     )

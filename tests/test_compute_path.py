@@ -20,7 +20,7 @@ from odc_hf.balance.memory import (
     layers_to_checkpoint,
 )
 from odc_hf.config import ODCConfig
-from odc_hf.integrations import activation_checkpointing, compute_path
+from odc_hf.integrations.compute import activation_checkpointing, fused_head
 from odc_hf.testing import run_ranks
 
 # microbatches per rank, per minibatch: uneven, and a rank with none
@@ -85,15 +85,15 @@ def test_selective_spelling_and_layer_spread():
 
 def test_calibration_json_records_the_compute_path_and_reads_back(tmp_path, caplog):
     model = QuadraticCostModel(a=0.1, b=2e-5, c=1e-10, floor=0.15)
-    path = compute_path.ComputePath(kernels="liger", loss=compute_path.TRL_FUSED_HEAD, checkpointing="none",
+    path = fused_head.ComputePath(kernels="liger", loss=fused_head.TRL_FUSED_HEAD, checkpointing="none",
                                     checkpointed_layers=0, num_layers=28)  # fmt: skip
     record = {**model.to_dict(), "compute_path": path.describe(), "lengths": [1, 2]}
     file = tmp_path / "calibration.json"
     file.write_text(json.dumps(record))
     assert QuadraticCostModel.from_dict(json.loads(file.read_text())) == model  # unknown keys ignored
-    other = compute_path.ComputePath(loss=compute_path.FULL_LOGITS, checkpointing="full")
+    other = fused_head.ComputePath(loss=fused_head.FULL_LOGITS, checkpointing="full")
     with caplog.at_level("WARNING"):
-        compute_path.check_recorded(json.loads(file.read_text()), other, str(file))
+        fused_head.check_recorded(json.loads(file.read_text()), other, str(file))
     assert "re-calibrate" in caplog.text and "full_logits" in caplog.text
 
 
@@ -106,19 +106,19 @@ def test_use_liger_kernel_without_liger_or_without_gpu_is_a_clear_error(monkeypa
         importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a)
     )
     with pytest.raises(ValueError, match=r"use_liger_kernel=True needs .*not installed.*odc_hf\[kernels\]"):
-        compute_path.resolve_kernels("auto", True, cpu)
+        fused_head.resolve_kernels("auto", True, cpu)
     with pytest.raises(ValueError, match=r"kernels='liger'"):
-        compute_path.resolve_kernels("liger", False, cpu)
-    assert compute_path.resolve_kernels("auto", False, cpu) == "none"  # auto: quietly without
+        fused_head.resolve_kernels("liger", False, cpu)
+    assert fused_head.resolve_kernels("auto", False, cpu) == "none"  # auto: quietly without
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: object() if name == "liger_kernel" else real(name, *a)
     )
     with pytest.raises(ValueError, match="Triton GPU kernels and this run's device is cpu"):
-        compute_path.resolve_kernels("auto", True, cpu)
-    assert compute_path.resolve_kernels("auto", False, cpu) == "none"
-    assert compute_path.resolve_kernels("auto", False, torch.device("cuda", 0)) == "liger"
+        fused_head.resolve_kernels("auto", True, cpu)
+    assert fused_head.resolve_kernels("auto", False, cpu) == "none"
+    assert fused_head.resolve_kernels("auto", False, torch.device("cuda", 0)) == "liger"
     with pytest.raises(ValueError, match="contradicts"):
-        compute_path.resolve_kernels("none", True, cpu)
+        fused_head.resolve_kernels("none", True, cpu)
 
 
 def test_selective_checkpointing_sets_the_chosen_layers_and_keeps_gradients():
@@ -141,8 +141,8 @@ def _odc_fused_run(rank, world_size):
     from odc_hf.fsdp import install_odc, shard_model
 
     model = tiny_qwen2()
-    assert compute_path.install_fused_head(model, outputs=compute_path.SFT_HEAD_OUTPUTS)  # SFTTrainer's head
-    compute_path.guard_sharded_head(model)
+    assert fused_head.install_fused_head(model, outputs=fused_head.SFT_HEAD_OUTPUTS)  # SFTTrainer's head
+    fused_head.guard_sharded_head(model)
     activation_checkpointing.enable_checkpointing(model, 1)
     shard_model(model)
     odc = install_odc(model, timeout_s=60)
@@ -154,7 +154,7 @@ def _odc_fused_run(rank, world_size):
         losses = []
         with odc.failure_guard():
             for ids in mine:
-                loss = compute_path.fused_head_loss(model, {"input_ids": ids, "labels": ids}, total)
+                loss = fused_head.fused_head_loss(model, {"input_ids": ids, "labels": ids}, total)
                 loss.backward()
                 losses.append(loss.item())
         odc.finish_minibatch(sum(ids.numel() - 1 for ids in mine))
@@ -193,7 +193,7 @@ def _trainer(tmp_path, args_cls=None, **kwargs):
     from datasets import Dataset
     from transformers import TrainingArguments
 
-    from odc_hf.integrations.trainer import ODCTrainer
+    from odc_hf.integrations.trainer.mixin import ODCTrainer
 
     cls = args_cls or TrainingArguments
     args = cls(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kwargs)
@@ -208,7 +208,7 @@ def test_odc_trainer_uses_the_fused_head_and_owns_checkpointing(tmp_path):
     path = trainer.odc_compute
     assert (path.kernels, path.loss, path.fused_by_odc, path.checkpointing) == (
         "none",
-        compute_path.TRL_FUSED_HEAD,
+        fused_head.TRL_FUSED_HEAD,
         True,
         "auto",
     )
@@ -233,7 +233,7 @@ def test_odc_sft_trainer_replaces_trl_default_checkpointing_with_auto(tmp_path):
     from datasets import Dataset
     from trl import SFTConfig
 
-    from odc_hf.integrations.sft_trainer import ODCSFTTrainer
+    from odc_hf.integrations.trl.sft_trainer import ODCSFTTrainer
     from odc_hf.testing.data import default_tokenizer
 
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False)
@@ -242,7 +242,7 @@ def test_odc_sft_trainer_replaces_trl_default_checkpointing_with_auto(tmp_path):
     trainer = ODCSFTTrainer(model=tiny_qwen2(), args=args, train_dataset=data, processing_class=default_tokenizer(),
                             odc_config=ODCConfig(activation_checkpointing="0.5", max_tokens_per_microbatch=64))  # fmt: skip
     path = trainer.odc_compute
-    assert (path.loss, path.fused_by_odc, path.checkpointing) == (compute_path.TRL_FUSED_HEAD, False, "0.5")
+    assert (path.loss, path.fused_by_odc, path.checkpointing) == (fused_head.TRL_FUSED_HEAD, False, "0.5")
     assert not trainer.args.gradient_checkpointing  # odc_hf's setting wins, and the Trainer leaves it alone
     trainer.get_train_dataloader()
     assert path.describe()["activation_checkpointing"] == "selective 1/2"
@@ -251,17 +251,17 @@ def test_odc_sft_trainer_replaces_trl_default_checkpointing_with_auto(tmp_path):
 
 
 def test_oom_names_the_policy_and_prediction():
-    path = compute_path.ComputePath(checkpointing="auto", checkpointed_layers=0, num_layers=28, tokens=32768,
+    path = fused_head.ComputePath(checkpointing="auto", checkpointed_layers=0, num_layers=28, tokens=32768,
                                     predicted_peak_bytes=70 * GIB, device_bytes=80 * GIB)  # fmt: skip
     with pytest.raises(
         RuntimeError,
         match=r"'none \(auto\)'.*70.0 GiB at 32768 tokens.*80.0 GiB.*activation_checkpointing='full'",
     ):
-        with compute_path.oom_guard(path):
+        with fused_head.oom_guard(path):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
     fake = SimpleNamespace()  # the guard leaves other errors alone
     with pytest.raises(KeyError) as caught:
-        with compute_path.oom_guard(path):
+        with fused_head.oom_guard(path):
             raise KeyError(fake)
     assert caught.value.args == (fake,)  # the very error, unchanged
 
@@ -275,7 +275,7 @@ def test_calibration_copies_of_a_two_layer_model_build_with_four_layers():
     one-process CUDA run of a 2-layer model)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from odc_hf.integrations.activation_checkpointing import config_with_layers
+    from odc_hf.integrations.compute.activation_checkpointing import config_with_layers
 
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
@@ -296,8 +296,8 @@ def test_calibration_copies_of_a_peft_model_keep_its_adapter(peft, tied):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from odc_hf.integrations.activation_checkpointing import small_copy
-    from odc_hf.integrations.compute_path import TRL_FUSED_HEAD
+    from odc_hf.integrations.compute.activation_checkpointing import small_copy
+    from odc_hf.integrations.compute.fused_head import TRL_FUSED_HEAD
 
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)  # fmt: skip
@@ -327,14 +327,14 @@ def test_float32_experts_stay_off_ligers_tf32_moe_kernel_unless_asked(caplog):
     own implementation (``swiglu: False``, the rest of Liger kept); asked for by name it applies, with a warning;
     bf16 experts, mixed precision and dense models are left as they are."""
     moe, dense = _tiny_moe(), tiny_qwen2()
-    assert compute_path.fp32_experts(moe, "no") and compute_path.fp32_experts(moe, None)
-    assert not compute_path.fp32_experts(moe, "bf16") and not compute_path.fp32_experts(_tiny_moe(torch.bfloat16), "no")
-    assert not compute_path.fp32_experts(dense, "no")
+    assert fused_head.fp32_experts(moe, "no") and fused_head.fp32_experts(moe, None)
+    assert not fused_head.fp32_experts(moe, "bf16") and not fused_head.fp32_experts(_tiny_moe(torch.bfloat16), "no")
+    assert not fused_head.fp32_experts(dense, "no")
 
     def config(model, requested=None, explicit=False, mixed_precision="no"):
-        return compute_path.liger_kernel_config(model, requested, explicit=explicit, mixed_precision=mixed_precision)
+        return fused_head.liger_kernel_config(model, requested, explicit=explicit, mixed_precision=mixed_precision)
 
-    with caplog.at_level("INFO", logger=compute_path.logger.name):
+    with caplog.at_level("INFO", logger=fused_head.logger.name):
         assert config(moe) == {"swiglu": False}
         assert config(moe, {"rms_norm": False}) == {"rms_norm": False, "swiglu": False}  # the user's keys kept
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
@@ -352,12 +352,12 @@ def test_the_trainer_applies_liger_with_the_float32_experts_config(tmp_path, mon
     from datasets import Dataset
     from transformers import TrainingArguments
 
-    from odc_hf.integrations.trainer import ODCTrainer
+    from odc_hf.integrations.trainer.mixin import ODCTrainer
 
     applied = []
-    monkeypatch.setattr(compute_path, "resolve_kernels", lambda *args: "liger")
-    monkeypatch.setattr(compute_path, "liger_supports", lambda model: True)
-    monkeypatch.setattr(compute_path, "apply_liger_kernels", lambda model, **kw: applied.append(kw))
+    monkeypatch.setattr(fused_head, "resolve_kernels", lambda *args: "liger")
+    monkeypatch.setattr(fused_head, "liger_supports", lambda model: True)
+    monkeypatch.setattr(fused_head, "apply_liger_kernels", lambda model, **kw: applied.append(kw))
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     data = Dataset.from_dict({"input_ids": [microbatch(0, i)[0].tolist() for i in range(4)]})
     trainer = ODCTrainer(model=_tiny_moe(), args=args, train_dataset=data, odc_config=ODCConfig(max_tokens_per_microbatch=64))

@@ -1,5 +1,5 @@
 """odc_hf asks torch's CUDA caching allocator for expandable segments before CUDA starts, where it can, and keeps a
-user's own setting (odc_hf/integrations/cuda_allocator.py). On one H200, ODCSFTTrainer without activation
+user's own setting (odc_hf/integrations/launch/cuda_allocator.py). On one H200, ODCSFTTrainer without activation
 checkpointing and torch's default allocator reserved all 139 GiB for 98 GiB allocated and retried; with expandable
 segments it reserved 99 GiB (the same speed; docs/performance.md)."""
 
@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from odc_hf.integrations import cuda_allocator
-from odc_hf.integrations.relaunch import launch_env, plan_launch
+from odc_hf.integrations.launch import cuda_allocator
+from odc_hf.integrations.launch.relaunch import launch_env, plan_launch
 
 VALUE = "expandable_segments:True"
 
@@ -93,10 +93,10 @@ def test_check_says_once_on_cuda_without_it_and_counts_nothing_off_cuda(monkeypa
     assert cuda_allocator.RetryCounter(torch.device("cpu")).delta() is None
 
 
-# Liger's RoPE: the Triton kernel, unless the user chose (odc_hf/integrations/compute_path.py: pin_liger_rope). On
+# Liger's RoPE: the Triton kernel, unless the user chose (odc_hf/integrations/compute/fused_head.py: pin_liger_rope). On
 # one H200 liger-kernel 0.8.5's auto-selected CuTe DSL RoPE cost ~0.67 s of host time per 32k step of new lengths.
 def test_liger_rope_pinned_to_triton_where_liger_offers_both():
-    from odc_hf.integrations.compute_path import pin_liger_rope
+    from odc_hf.integrations.compute.fused_head import pin_liger_rope
 
     both = ["nvidia-cutedsl", "nvidia-triton"]
     env: dict[str, str] = {}
@@ -113,7 +113,7 @@ def test_liger_rope_pin_against_the_installed_liger():
     pytest.importorskip("liger_kernel.backends", reason="liger-kernel >= 0.8 (per-op implementations) not installed")
     from liger_kernel.backends import all_impls
 
-    from odc_hf.integrations.compute_path import pin_liger_rope
+    from odc_hf.integrations.compute.fused_head import pin_liger_rope
 
     env: dict[str, str] = {}
     state = pin_liger_rope(env)

@@ -1,4 +1,4 @@
-"""The behavioural check that packed rows train the model in hand as it is defined (odc_hf.integrations.definition_check)
+"""The behavioural check that packed rows train the model in hand as it is defined (odc_hf.integrations.models.definition_check)
 and the runtime guard of the attention path: each failure class caught, each with its control.
 
 Failure classes (tiny configs of families in transformers, fp32, CPU):
@@ -18,8 +18,8 @@ import torch
 import transformers as t
 
 import odc_hf.attention.varlen
-from odc_hf.integrations import definition_check as dc
-from odc_hf.integrations.planning import flop_cost_model
+from odc_hf.integrations.compute.cost_model import flop_cost_model
+from odc_hf.integrations.models import definition_check as dc
 
 SIZE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)  # fmt: skip
@@ -224,7 +224,7 @@ def test_trls_fused_head_is_checked_against_the_models_own_loss():
 
 
 def test_chunked_attention_through_transformers_masks_passes_the_static_refusals_and_the_check():
-    from odc_hf.integrations.model_family import check_packable
+    from odc_hf.integrations.models.family import check_packable
 
     model = llama4_text()
     with pytest.raises(ValueError, match="chunked attention"):
@@ -254,7 +254,7 @@ def test_odc_trainer_keeps_the_models_own_loss_where_trls_fused_head_does_not_gi
     import zoo_runs
 
     from odc_hf import ODCConfig, ODCTrainer
-    from odc_hf.integrations.compute_path import FULL_LOGITS
+    from odc_hf.integrations.compute.fused_head import FULL_LOGITS
     from odc_hf.testing.data import default_tokenizer
 
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")

@@ -81,7 +81,7 @@ def test_every_text_empty_is_an_error_about_the_data(tmp_path, cpu):
 def test_every_sample_tokenized_to_nothing_is_an_error_about_the_data():
     from datasets import Dataset
 
-    from odc_hf.integrations.train_data import train_lengths
+    from odc_hf.integrations.trainer.train_data import train_lengths
 
     with pytest.raises(ValueError, match=r"every one of the 3 training samples tokenized to 0 token\(s\)") as err:
         train_lengths(Dataset.from_dict({"input_ids": [[], [], []]}))
@@ -103,7 +103,7 @@ def test_a_step_without_label_tokens_warns_with_the_step_and_the_masks(tmp_path,
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("odc_hf.integrations.train_data")
+    logger = logging.getLogger("odc_hf.integrations.trainer.train_data")
     logger.addHandler(handler)
     try:
         ODCTrainer(model=tiny_qwen2(), args=args, train_dataset=data).train()

@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent(
     """
     import atexit, tempfile
     import torch.distributed as dist
-    from odc_hf.integrations.exit_cleanup import destroy_gloo_group_at_exit
+    from odc_hf.integrations.launch.exit_cleanup import destroy_gloo_group_at_exit
 
     print("before init", destroy_gloo_group_at_exit())  # nothing to destroy yet: not registered
     # registered first, so it runs after odc_hf's handler (atexit is last in, first out)

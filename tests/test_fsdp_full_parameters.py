@@ -1,5 +1,5 @@
 """Whole parameters from ODC's published shards (``ODCHandle.full_parameters``), no collective, mapped to vLLM's names
-(``odc_hf.integrations.vllm_weights``): equal to ``state_dict()`` of a single-process copy of the model, bit for bit.
+(``odc_hf.integrations.vllm.weights``): equal to ``state_dict()`` of a single-process copy of the model, bit for bit.
 
 2 CPU ranks, ``shard_model`` + ``install_odc``. The tiny Qwen2 has an odd vocabulary (257) and MLP width (75), so
 FSDP2 pads rank 1's chunk of the embedding and of the gate/up projections: the padding must be cut exactly as FSDP2
@@ -68,7 +68,7 @@ def _compare(ours: dict, expected: dict, what: str) -> None:
 
 
 def _mapped(odc, lora=None) -> dict:
-    from odc_hf.integrations.vllm_weights import vllm_weights
+    from odc_hf.integrations.vllm.weights import vllm_weights
 
     return {name: t.clone() for name, t in vllm_weights(odc.full_parameters(), lora)}
 
@@ -79,7 +79,7 @@ def _cases(rank: int, world_size: int) -> dict:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from odc_hf.integrations.vllm_weights import LoraMerge
+    from odc_hf.integrations.vllm.weights import LoraMerge
     from odc_hf.transport import ODCError
 
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ import torch
 from accelerate.utils import FullyShardedDataParallelPlugin
 
 from odc_hf import ODCConfig
-from odc_hf.integrations.plugin import ODCFSDPPlugin, as_odc_plugin
+from odc_hf.integrations.accelerate.plugin import ODCFSDPPlugin, as_odc_plugin
 from odc_hf.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]

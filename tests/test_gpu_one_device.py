@@ -16,7 +16,7 @@ import sft_runs
 import torch
 from one_process_runs import grpo_result, grpo_run, one_process_run
 
-from odc_hf.integrations.attention_setup import FLASH_ATTENTION_4
+from odc_hf.integrations.compute.attention import FLASH_ATTENTION_4
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,7 +69,7 @@ def test_odc_sft_on_cuda_matches_trl(fp32):
     assert [h["step"] for h in odc["history"]] == [h["step"] for h in trl["history"]] == list(range(1, 7))
     assert all(len(counts) == 1 for counts in odc["microbatches"])  # one rank
     assert odc["compute_path"]["loss"] == "trl_fused_lm_head"
-    # ODCSFTConfig, built before CUDA started, asked for expandable segments (odc_hf/integrations/cuda_allocator.py);
+    # ODCSFTConfig, built before CUDA started, asked for expandable segments (odc_hf/integrations/launch/cuda_allocator.py);
     # the allocator's flush-and-retry count is logged every step
     assert odc["cuda_allocator"]["expandable_segments"] is True, odc["cuda_allocator"]
     assert all(isinstance(r, int) and r >= 0 for r in odc["cuda_alloc_retries"]), odc["cuda_alloc_retries"]

@@ -1,5 +1,5 @@
 """The multi-rank CUDA path with its ranks sharing the GPU(s) of a machine that has fewer GPUs than ranks: gloo process
-group, CUDA IPC peer memory (``odc_hf.integrations.shared_gpu``), every rank on ``cuda:<rank % GPUs>``. Each test
+group, CUDA IPC peer memory (``odc_hf.integrations.launch.shared_gpu``), every rank on ``cuda:<rank % GPUs>``. Each test
 compares against an independent reference (one process, or TRL's own trainer) with a stated tolerance. On a machine
 with a GPU per rank the same tests run over NCCL and symmetric memory.
 

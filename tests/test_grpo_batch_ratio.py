@@ -1,4 +1,4 @@
-"""Samples of TRL's GRPO batch through ODC's exchange and back (``odc_hf.integrations.grpo_batch``): the importance-
+"""Samples of TRL's GRPO batch through ODC's exchange and back (``odc_hf.integrations.trl.grpo_batch``): the importance-
 sampling ratio keeps its level (token or sequence) whatever the completions' lengths."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ def test_a_one_token_completion_keeps_its_token_level_importance_ratio():
     model ended completions early). Reference: TRL's own batch, trailing padding dropped."""
     import torch
 
-    from odc_hf.integrations.grpo_batch import collate, unbatch
+    from odc_hf.integrations.trl.grpo_batch import collate, unbatch
 
     batch = {
         "prompt_ids": torch.tensor([[0, 5, 6], [7, 8, 9]]),

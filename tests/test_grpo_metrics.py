@@ -1,6 +1,6 @@
 """Every GRPO metric ODC logs equals TRL's definition (issue 21: ``kl`` was up to 2.2x TRL's and changed with the token
 budget; ``entropy`` differed by up to 0.66 nats). TRL logs, per microbatch ("slice") of its own layout, masked token
-means over that slice of every rank, and min/max over its sequences (odc_hf/integrations/grpo_metrics.py); ODC trains
+means over that slice of every rank, and min/max over its sequences (odc_hf/integrations/trl/grpo_metrics.py); ODC trains
 other microbatches, so it recomputes the metrics per slice. Compared here with TRL's own GRPOTrainer on the same
 rollouts, on a layout other than tests/test_grpo_parity.py's (which compares the same metrics on its runs), with a
 second iteration per generation and a small clipping range so that the clip ratios are not all zero."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from odc_hf.integrations.grpo_metrics import MetricRecorder, SliceMetrics
+from odc_hf.integrations.trl.grpo_metrics import MetricRecorder, SliceMetrics
 from odc_hf.testing import accelerate_cpu
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -188,7 +188,7 @@ def test_collate_pads_rows_to_the_multiple_with_masked_completion_columns():
     import torch
 
     from odc_hf.balance.padded import padded_width
-    from odc_hf.integrations.grpo_batch import collate
+    from odc_hf.integrations.trl.grpo_batch import collate
 
     assert padded_width(100, 3676, 128) == 3740 and (100 + 3740) % 128 == 0  # 3776 = 64 mod 128 is avoided
     assert padded_width(100, 28, 1) == 28
@@ -207,7 +207,7 @@ def test_collate_pads_rows_to_the_multiple_with_masked_completion_columns():
 
 
 def test_padded_rows_are_rounded_only_where_cudnn_masked_attention_runs_them():
-    from odc_hf.integrations.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF, padded_columns_multiple
+    from odc_hf.integrations.trl.grpo_batch import CUDA_PAD_TO_MULTIPLE_OF, padded_columns_multiple
 
     assert CUDA_PAD_TO_MULTIPLE_OF == 128
     assert padded_columns_multiple("cuda", "sdpa") == 128
@@ -245,7 +245,7 @@ def test_budget_holds_for_the_real_padded_width():
 def test_padded_reference_log_probs_keep_the_kl_term_finite():
     import torch
 
-    from odc_hf.integrations.grpo_batch import collate
+    from odc_hf.integrations.trl.grpo_batch import collate
 
     samples = [
         {"prompt_ids": torch.arange(1, 4), "completion_ids": torch.arange(1, 6), "completion_mask": torch.ones(5, dtype=torch.long),
@@ -261,7 +261,7 @@ def test_padded_reference_log_probs_keep_the_kl_term_finite():
 
 
 def test_packed_rows_give_trl_s_padded_log_probs_entropies_and_gradients():
-    """The packed layout's forward (odc_hf.integrations.grpo_batch.pack_rows on sdpa_varlen) gives the per-token
+    """The packed layout's forward (odc_hf.integrations.trl.grpo_batch.pack_rows on sdpa_varlen) gives the per-token
     log-probs and entropies TRL's padded forward gives (sdpa with the padding mask, TRL's labels, its fused head), in
     TRL's (rows, completion columns) layout: left-padded prompts, right-padded completions, a completion masked out
     whole (mask_truncated_completions) and one ending early; and the same gradients."""
@@ -270,7 +270,7 @@ def test_packed_rows_give_trl_s_padded_log_probs_entropies_and_gradients():
     from trl.trainer.utils import add_fused_lm_head
 
     import odc_hf.attention  # noqa: F401 - registers "sdpa_varlen"
-    from odc_hf.integrations.grpo_batch import pack_rows, scatter_packed
+    from odc_hf.integrations.trl.grpo_batch import pack_rows, scatter_packed
     from odc_hf.testing.data import tiny_qwen2_config
 
     torch.manual_seed(0)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from odc_hf.balance.padded import pack_padded
-from odc_hf.integrations import grpo_batch, trl_version
+from odc_hf.integrations.trl import grpo_batch
+from odc_hf.integrations.upstream import trl as trl_version
 
 
 def test_private_grpo_surfaces_exist_on_the_installed_trl():
@@ -113,7 +114,7 @@ def test_grpo_drops_the_unread_head_warning_as_sft_does(tmp_path, monkeypatch):
     from trl import GRPOConfig
 
     from odc_hf import ODCGRPOTrainer
-    from odc_hf.integrations.compute_path import FSDP_LOGGER, UnreadHeadFilter
+    from odc_hf.integrations.compute.fused_head import FSDP_LOGGER, UnreadHeadFilter
     from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")

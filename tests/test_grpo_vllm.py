@@ -277,7 +277,7 @@ def test_server_mode_and_tensor_parallel_engines_are_refused_before_anything_is_
 
 
 def test_vllm_version_policy_and_environment():
-    from odc_hf.integrations import vllm_version
+    from odc_hf.integrations.upstream import vllm as vllm_version
 
     assert vllm_version.check_vllm("0.26.0+cu130") == "0.26.0+cu130"  # the version policy: test_version_policy.py
     environ = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
@@ -321,7 +321,7 @@ def test_in_the_shared_gpu_mode_the_engine_gets_the_ranks_gpu_as_its_local_rank(
     import torch
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from odc_hf.integrations import shared_gpu
+    from odc_hf.integrations.launch import shared_gpu
 
     assert 'os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)' in inspect.getsource(
         VLLMGeneration._init_vllm)  # TRL 1.16's rule this relies on

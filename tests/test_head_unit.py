@@ -30,7 +30,7 @@ def _lora(model):
 def _model(tie: bool, peft: bool):
     from fsdp_helpers import tiny_qwen2
 
-    from odc_hf.integrations.compute_path import install_fused_head
+    from odc_hf.integrations.compute.fused_head import install_fused_head
 
     model = tiny_qwen2(tie=tie)
     install_fused_head(model)  # as TRL's SFTTrainer does, before PEFT wraps the model
@@ -80,7 +80,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def _rank(rank, world, layout: str, tie: bool, peft: bool):
     from odc_hf.fsdp import install_odc, shard_model
     from odc_hf.fsdp.sharding import final_norm, gather_head_with_final_norm
-    from odc_hf.integrations.compute_path import guard_sharded_head
+    from odc_hf.integrations.compute.fused_head import guard_sharded_head
 
     model = _model(tie, peft)
     if layout == "shard_model":
@@ -148,7 +148,11 @@ def test_the_unread_head_warning_of_torch_2_11_is_dropped_for_the_head_only():
     forward never ran: the lm_head under a fused loss, on every correct run (issue 28). The filter drops exactly that
     warning naming only the head; the same warning about any other module still shows. (torch 2.13 emits no such
     warning, so the message below is 2.11's, built the way it builds it.)"""
-    from odc_hf.integrations.compute_path import FSDP_LOGGER, UnreadHeadFilter, quiet_unread_head_warning
+    from odc_hf.integrations.compute.fused_head import (
+        FSDP_LOGGER,
+        UnreadHeadFilter,
+        quiet_unread_head_warning,
+    )
 
     model = _model(tie=False, peft=True)
     head, other = model.get_base_model().get_output_embeddings(), model.get_base_model().model.norm

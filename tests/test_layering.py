@@ -30,7 +30,14 @@ LAYERS = {
     "odc_hf.fsdp": 2,
     "odc_hf.attention": 3, "odc_hf.testing": 3,
     "odc_hf.prediction": 4,
-    "odc_hf.integrations": 5,
+    "odc_hf.integrations": 5,  # its __init__ only: every module lives in one of the rooms below
+    # the rooms of integrations, each a concept (docs/design.md, "Map"); a room imports lower rooms only
+    "odc_hf.integrations.upstream": 5.0,
+    "odc_hf.integrations.launch": 5.1, "odc_hf.integrations.models": 5.1,
+    "odc_hf.integrations.checkpoint": 5.1, "odc_hf.integrations.vllm": 5.1,
+    "odc_hf.integrations.accelerate": 5.2, "odc_hf.integrations.compute": 5.2,
+    "odc_hf.integrations.trainer": 5.3,
+    "odc_hf.integrations.trl": 5.4,
     "odc_hf.run": 6, "odc_hf.estimate": 6, "odc_hf.offline": 6,
     "odc_hf": 7,  # the package's __init__ (its exports are lazy)
 }  # fmt: skip
@@ -125,6 +132,23 @@ def test_the_package_root_holds_only_the_named_modules():
     testing); a module at the root is a decision, named in ROOT_MODULES with its reason."""
     assert {p.stem for p in (ROOT / "odc_hf").glob("*.py")} == ROOT_MODULES
     assert {p.parent.name for p in (ROOT / "odc_hf").glob("*/__init__.py")} == ROOT_PACKAGES
+
+
+INTEGRATION_ROOMS = {name.rpartition(".")[2] for name in LAYERS if name.startswith("odc_hf.integrations.")}
+MAX_ROOM_ARROWS = 20
+
+
+def test_integrations_is_rooms_with_few_arrows_between_them():
+    """``odc_hf/integrations`` holds its rooms and nothing else at its top, and the rooms stay few with few import
+    arrows between them: a new module goes into the room of its concept, a new room is a decision named in LAYERS."""
+    folder = ROOT / "odc_hf" / "integrations"
+    assert {p.name for p in folder.glob("*.py")} == {"__init__.py"}
+    assert {p.parent.name for p in folder.glob("*/__init__.py")} == INTEGRATION_ROOMS
+    assert len(INTEGRATION_ROOMS) <= 10
+    room = lambda module: module.split(".")[2]  # noqa: E731
+    arrows = {(room(a), room(b)) for a, targets in _module_graph().items() if a.startswith("odc_hf.integrations.")
+              for b in targets if b.startswith("odc_hf.integrations.") and room(a) != room(b)}  # fmt: skip
+    assert len(arrows) <= MAX_ROOM_ARROWS, sorted(arrows)
 
 
 def test_benchmark_scripts_are_imported_only_through_shared_modules():

@@ -171,7 +171,7 @@ def test_odc_grpo_packed_layout_with_several_microbatches_trains_each_family_as_
 
 @pytest.mark.parametrize("name", list(zoo_runs.REFUSED))
 def test_families_packed_rows_cannot_train_exactly_are_refused_by_name(name):
-    from odc_hf.integrations.model_family import check_packable
+    from odc_hf.integrations.models.family import check_packable
 
     build, words = zoo_runs.REFUSED[name]
     model = build()
@@ -252,7 +252,7 @@ def rendered(trl, odc, grpo) -> list[str]:
     attention = {name: odc[1][name]["attention"]["implementation"] for name in NAMES}
     refusals = {}
     for name, (build, _) in zoo_runs.REFUSED.items():
-        from odc_hf.integrations.model_family import refusal
+        from odc_hf.integrations.models.family import refusal
 
         refusals[name] = refusal(build())
     return zoo_runs.table(sft, attention, {n: grpo_difference(*grpo[n]) for n in GRPO_NAMES}, refusals, RTOL)

@@ -28,7 +28,7 @@ FP32_RTOL, BF16_RTOL = 1e-5, 2e-2
 
 
 def _fa4_installed() -> bool:
-    from odc_hf.integrations.attention_setup import fa4_installed
+    from odc_hf.integrations.compute.attention import fa4_installed
 
     return fa4_installed()
 

@@ -1,5 +1,5 @@
 """README command 1 (``python examples/sft.py``) on a machine with fewer GPUs than processes: its ranks share the
-GPU (gloo process group, CUDA IPC peer memory; ``odc_hf.integrations.shared_gpu``), and the printed message says so.
+GPU (gloo process group, CUDA IPC peer memory; ``odc_hf.integrations.launch.shared_gpu``), and the printed message says so.
 The run itself is a GPU test (``tests/test_gpu_shared.py``); here the plan, the children's environment and the CPU
 ranks' guard (``accelerate launch cpu.yaml`` by hand on a machine with a GPU)."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from odc_hf.integrations import relaunch as odc_run
-from odc_hf.integrations.relaunch import launch_env, plan_launch
+from odc_hf.integrations.launch import relaunch as odc_run
+from odc_hf.integrations.launch.relaunch import launch_env, plan_launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_cpu_rank_with_one_gpu_visible_says_what_to_do(monkeypatch):
     # the ODC trainer and ODCAccelerator stop first, saying how to hide CUDA or use the GPU
     import torch
 
-    from odc_hf.integrations.accelerator import check_cpu_ranks_have_no_gpu_to_pick as check
+    from odc_hf.integrations.accelerate.accelerator import check_cpu_ranks_have_no_gpu_to_pick as check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -10,7 +10,7 @@ import datasets
 import pytest
 from transformers.utils import logging as transformers_logging
 
-from odc_hf.integrations.trainer_observability import one_progress_bar
+from odc_hf.integrations.trainer.observability import one_progress_bar
 
 
 @pytest.fixture

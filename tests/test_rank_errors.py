@@ -1,4 +1,4 @@
-"""A failing rank's own message is the last thing a user sees (odc_hf/integrations/rank_errors.py): each launched rank
+"""A failing rank's own message is the last thing a user sees (odc_hf/integrations/launch/rank_errors.py): each launched rank
 prints one line and writes its traceback to a file; the examples' launcher keeps the rest of the launcher's output
 (torch's elastic agent reports every rank in a ``ChildFailedError``) in the error folder and ends with the rank that
 failed first."""
@@ -50,7 +50,7 @@ def _env() -> dict[str, str]:
 
 def test_the_launcher_ends_with_the_rank_that_failed_first_and_keeps_the_report_in_a_file(tmp_path):
     driver = (
-        "import sys; from odc_hf.integrations.rank_errors import run_launcher; "
+        "import sys; from odc_hf.integrations.launch.rank_errors import run_launcher; "
         "sys.exit(run_launcher([sys.executable, '-c', sys.argv[1], sys.argv[2]], dict(__import__('os').environ)))"
     )
     proc = subprocess.run([sys.executable, "-c", driver, LAUNCHER, RANK], env=_env(), capture_output=True,
@@ -80,7 +80,7 @@ def test_control_without_the_hook_the_rank_prints_its_traceback(tmp_path):
 
 
 def test_outside_a_launched_rank_python_reports_as_usual():
-    from odc_hf.integrations import rank_errors
+    from odc_hf.integrations.launch import rank_errors
 
     before = sys.excepthook
     environ = dict(os.environ)

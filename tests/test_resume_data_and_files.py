@@ -142,7 +142,7 @@ def test_resuming_with_a_dataset_of_the_same_size_but_other_content_warns(saved_
 
 def _resume_error(run, **options):
     """Resume ``run``'s last checkpoint with a fresh trainer; the CheckpointPartMissing it raises (and the step)."""
-    from odc_hf.integrations.checkpoint import CheckpointPartMissing
+    from odc_hf.integrations.checkpoint.sharded import CheckpointPartMissing
 
     trainer = _trainer(run, SAMPLES)
     with pytest.raises(CheckpointPartMissing) as caught:
@@ -210,7 +210,7 @@ def test_accelerates_sharded_model_folder_without_metadata_or_with_a_short_shard
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from odc_hf.integrations.checkpoint import CheckpointPartMissing, check_model_files
+    from odc_hf.integrations.checkpoint.sharded import CheckpointPartMissing, check_model_files
 
     state = {"model.embed_tokens.weight": torch.randn(512, 64), "model.norm.weight": torch.ones(64)}
 
@@ -249,7 +249,7 @@ def test_accelerates_sharded_model_folder_without_metadata_or_with_a_short_shard
 
 
 def test_a_model_file_cut_short_is_named_with_the_checkpoint_to_use(saved_run, tmp_path, monkeypatch):
-    from odc_hf.integrations.checkpoint import CheckpointPartMissing
+    from odc_hf.integrations.checkpoint.sharded import CheckpointPartMissing
 
     out, _ = saved_run
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
@@ -272,7 +272,7 @@ def test_safetensors_headers_are_checked_without_loading_tensors(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from odc_hf.integrations.checkpoint import safetensors_damage
+    from odc_hf.integrations.checkpoint.sharded import safetensors_damage
 
     path = tmp_path / "w.safetensors"
     save_file({"a": torch.zeros(64), "b": torch.ones(3, 5)}, path)
@@ -291,7 +291,7 @@ def test_safetensors_headers_are_checked_without_loading_tensors(tmp_path):
 
 def test_resuming_on_another_number_of_ranks_is_a_notice_users_see():
     from odc_hf.config import ODCConfig
-    from odc_hf.integrations.resume import check_layout
+    from odc_hf.integrations.checkpoint.resume import check_layout
 
     accelerator = SimpleNamespace(num_processes=3, is_main_process=True, torch_device_mesh=None)
     trainer = SimpleNamespace(accelerator=accelerator, odc_global_batch_size=8,
@@ -305,7 +305,7 @@ def test_resuming_on_another_number_of_ranks_is_a_notice_users_see():
 
 
 def test_the_words_a_command_line_passes_for_resuming():
-    from odc_hf.integrations.resume import requested
+    from odc_hf.integrations.checkpoint.resume import requested
 
     for word in ("true", "True", "TRUE", "last", "Last", " last "):
         assert requested(word) is True, word  # what resume_from_checkpoint=True means

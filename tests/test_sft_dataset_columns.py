@@ -44,8 +44,8 @@ def test_every_rank_names_the_missing_text_column_before_trl_prepares_the_data()
 
 
 def test_which_columns_trl_can_read():
-    from odc_hf.integrations.sft_config import ODCSFTConfig
-    from odc_hf.integrations.sft_trainer import check_sft_columns
+    from odc_hf.integrations.trl.sft_config import ODCSFTConfig
+    from odc_hf.integrations.trl.sft_trainer import check_sft_columns
 
     args = ODCSFTConfig(output_dir="unused", report_to="none", bf16=False)
     content = ODCSFTConfig(output_dir="unused", report_to="none", bf16=False, dataset_text_field="content")

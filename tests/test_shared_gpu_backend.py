@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from odc_hf.integrations import shared_gpu
+from odc_hf.integrations.launch import shared_gpu
 from odc_hf.testing import run_ranks
 
 GLOO_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
@@ -79,7 +79,7 @@ def _gathers_ranks(rank, world_size, out):
     from transformers import TrainingArguments
 
     import odc_hf
-    from odc_hf.integrations.accelerate_state import believed_backend
+    from odc_hf.integrations.upstream.accelerate import believed_backend
     from odc_hf.version import TESTED, minor
 
     TrainingArguments(output_dir=out, report_to="none")  # transformers' own arguments create accelerate's state
@@ -153,7 +153,7 @@ def _entry_ranks(rank, world_size, entry, out):
     _as_on_a_gpu_host_sharing_it()
     import torch.distributed as dist
 
-    from odc_hf.integrations.accelerate_state import believed_backend
+    from odc_hf.integrations.upstream.accelerate import believed_backend
 
     if entry == "odc.run, TRL's SFTConfig":
         import runpy
@@ -209,7 +209,7 @@ def _replacement_ranks(rank, world_size, started_nccl=True):
     import torch.distributed as dist
     from accelerate.state import PartialState
 
-    from odc_hf.integrations.accelerate_state import believed_backend
+    from odc_hf.integrations.upstream.accelerate import believed_backend
 
     _as_on_a_gpu_host_sharing_it()
     PartialState()  # accelerate's state, as the training arguments create it

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from odc_hf.integrations import shared_gpu
+from odc_hf.integrations.launch import shared_gpu
 from odc_hf.testing import run_ranks
 from odc_hf.transport import ODCError
 from odc_hf.transport.peer_memory import PEER_MEMORY_CHOICES, choose

@@ -8,7 +8,7 @@ import typing
 import pytest
 
 from odc_hf.config import ODCConfig
-from odc_hf.integrations.arguments import ODCArguments, odc_config_from_args
+from odc_hf.integrations.trainer.arguments import ODCArguments, odc_config_from_args
 
 
 def test_one_documented_odc_field_per_odcconfig_field():

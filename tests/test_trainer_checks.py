@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import compare  # noqa: E402
-from odc_hf.integrations.attention_setup import attention_dtype  # noqa: E402
+from odc_hf.integrations.compute.attention import attention_dtype  # noqa: E402
 
 
 def history(losses, grads):

@@ -15,8 +15,8 @@ import torch
 from accelerate.utils import DistributedType
 
 from odc_hf.config import ODCConfig
-from odc_hf.integrations.accelerator import check_supported
-from odc_hf.integrations.trainer import ODCMixin
+from odc_hf.integrations.accelerate.accelerator import check_supported
+from odc_hf.integrations.trainer.mixin import ODCMixin
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,10 +76,10 @@ def test_single_process_trains_without_odc_with_a_notice(tmp_path):
 
 
 def test_private_trainer_hooks_odc_hf_overrides_exist():
-    # odc_hf/integrations/transformers_version.py lists the private Trainer methods odc_hf overrides or calls.
+    # odc_hf/integrations/upstream/transformers.py lists the private Trainer methods odc_hf overrides or calls.
     from transformers import Trainer
 
-    from odc_hf.integrations.transformers_version import TRAINER_HOOKS
+    from odc_hf.integrations.upstream.transformers import TRAINER_HOOKS
 
     assert all(callable(getattr(Trainer, name, None)) for name in TRAINER_HOOKS)
 
@@ -88,7 +88,7 @@ def test_odc_options_from_trainer_arguments():
     from transformers import HfArgumentParser
 
     from odc_hf import ODCSFTConfig, ODCTrainingArguments
-    from odc_hf.integrations.arguments import odc_config_from_args
+    from odc_hf.integrations.trainer.arguments import odc_config_from_args
 
     (args,) = HfArgumentParser(ODCTrainingArguments).parse_args_into_dataclasses(
         [

@@ -23,7 +23,7 @@ import torch
 from accelerate.parallelism_config import ParallelismConfig
 from sft_runs import assert_same_steps, odc_run, trl_reference
 
-from odc_hf.integrations.parallelism import check_topology
+from odc_hf.integrations.accelerate.parallelism import check_topology
 
 ROOT = sft_runs.ROOT
 CHECKPOINT_STEP = 3

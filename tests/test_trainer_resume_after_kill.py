@@ -15,7 +15,7 @@ import json
 import pytest
 from resume_runs import train_ranks
 
-MARKER = "odc_checkpoint.json"  # odc_hf.integrations.resume.MARKER
+MARKER = "odc_checkpoint.json"  # odc_hf.integrations.checkpoint.resume.MARKER
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The transformers names odc_hf uses beyond transformers' top-level exports, listed in
-odc_hf/integrations/transformers_version.py: each exists in the installed transformers, and the list covers every
+odc_hf/integrations/upstream/transformers.py: each exists in the installed transformers, and the list covers every
 private Trainer method the ODC trainers override or call."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import transformers
 from transformers import Trainer
 
-from odc_hf.integrations import transformers_version as tv
-from odc_hf.integrations import trl_version
+from odc_hf.integrations.upstream import transformers as tv
+from odc_hf.integrations.upstream import trl as trl_version
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ def test_submodule_names_exist():
 
 
 def test_private_attributes_exist():
-    from odc_hf.integrations.activation_checkpointing import enable_checkpointing
+    from odc_hf.integrations.compute.activation_checkpointing import enable_checkpointing
 
     config = transformers.Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1)  # fmt: skip

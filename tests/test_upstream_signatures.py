@@ -1,6 +1,6 @@
 """The signatures (parameter names and kinds) of every upstream callable odc_hf overrides or calls by a private name —
-the Trainer hooks and submodule functions of odc_hf/integrations/transformers_version.py, TRL GRPOTrainer's methods of
-odc_hf/integrations/trl_version.py, and every method of transformers, TRL or accelerate that an odc_hf class overrides
+the Trainer hooks and submodule functions of odc_hf/integrations/upstream/transformers.py, TRL GRPOTrainer's methods of
+odc_hf/integrations/upstream/trl.py, and every method of transformers, TRL or accelerate that an odc_hf class overrides
 (public ones too: ``compute_loss``, ``training_step``, ``get_train_dataloader``, ``log``, ``prepare``, ...) — equal the
 ones recorded at the lock (tests/upstream_signatures.json). A release
 that renames or reorders a parameter fails here by name (the newest-releases lane runs this file too), not at run time.
@@ -22,8 +22,8 @@ def _callables() -> dict:
     from transformers import Trainer
     from trl import GRPOTrainer
 
-    from odc_hf.integrations import transformers_version as tv
-    from odc_hf.integrations import trl_version
+    from odc_hf.integrations.upstream import transformers as tv
+    from odc_hf.integrations.upstream import trl as trl_version
 
     found = {f"transformers.Trainer.{name}": getattr(Trainer, name) for name in tv.TRAINER_HOOKS}
     for module, names in tv.SUBMODULE_NAMES.items():
@@ -46,11 +46,11 @@ def _overridden() -> dict:
     from transformers import Trainer, TrainerCallback
     from trl import GRPOTrainer, SFTTrainer
 
-    from odc_hf.integrations.accelerator import ODCAccelerator
-    from odc_hf.integrations.grpo_trainer import ODCGRPOTrainer
-    from odc_hf.integrations.plugin import ODCFSDPPlugin
-    from odc_hf.integrations.sft_trainer import ODCSFTTrainer
-    from odc_hf.integrations.trainer import ODCTrainer, _ODCCallback
+    from odc_hf.integrations.accelerate.accelerator import ODCAccelerator
+    from odc_hf.integrations.accelerate.plugin import ODCFSDPPlugin
+    from odc_hf.integrations.trainer.mixin import ODCTrainer, _ODCCallback
+    from odc_hf.integrations.trl.grpo_trainer import ODCGRPOTrainer
+    from odc_hf.integrations.trl.sft_trainer import ODCSFTTrainer
 
     pairs = {ODCTrainer: Trainer, ODCSFTTrainer: SFTTrainer, ODCGRPOTrainer: GRPOTrainer, _ODCCallback: TrainerCallback,
              ODCAccelerator: Accelerator, ODCFSDPPlugin: FullyShardedDataParallelPlugin}  # fmt: skip

@@ -61,7 +61,7 @@ def _first_hour(rank, world_size, output_dir):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    for name in ("odc_hf.integrations.train_data", "odc_hf.integrations.attention_setup"):
+    for name in ("odc_hf.integrations.trainer.train_data", "odc_hf.integrations.compute.attention"):
         logging.getLogger(name).addHandler(handler)
     # Truncation on, gradient accumulation 2 (folded into each bundle): trains, and reports samples per second. The
     # model keeps its dense-mask "sdpa" (attention="model"; "auto" would replace it): the warning for that, once.

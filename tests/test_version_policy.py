@@ -12,7 +12,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from odc_hf import version
-from odc_hf.integrations import transformers_version, trl_version, vllm_version
+from odc_hf.integrations.upstream import transformers as transformers_version
+from odc_hf.integrations.upstream import trl as trl_version
+from odc_hf.integrations.upstream import vllm as vllm_version
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "tests" / "constraints.txt"
@@ -116,7 +118,7 @@ def test_another_vllm_minor_warns_and_a_missing_vllm_is_refused(fresh_policy):
 
 
 def test_a_vllm_engine_without_apply_model_is_refused():
-    from odc_hf.integrations.vllm_sync import adopt_generation
+    from odc_hf.integrations.vllm.sync import adopt_generation
 
     generation = type("Generation", (), {"mode": "colocate", "llm": object(), "enable_sleep_mode": False})()
     with pytest.raises(RuntimeError, match="object lacks apply_model"):

@@ -1,4 +1,4 @@
-"""The trainer's parameters under vLLM's names, LoRA merged (``odc_hf.integrations.vllm_weights``): the names TRL's own
+"""The trainer's parameters under vLLM's names, LoRA merged (``odc_hf.integrations.vllm.weights``): the names TRL's own
 weight sync gives vLLM, and peft's own merge, on single-process models (no vLLM, no ranks)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from odc_hf.integrations.vllm_weights import LoraMerge, vllm_name, vllm_weights
+from odc_hf.integrations.vllm.weights import LoraMerge, vllm_name, vllm_weights
 
 
 def _model(tie: bool = True):

@@ -313,7 +313,7 @@ def install(config) -> type[FakeLLM]:
     """Make TRL build :class:`FakeLLM` (for ``config``'s model) and odc_hf see vllm 0.26.0, in this process."""
     import trl.generation.vllm_generation as generation
 
-    from odc_hf.integrations import vllm_version
+    from odc_hf.integrations.upstream import vllm as vllm_version
 
     FakeLLM.config = config
     FakeLLM.instances = []

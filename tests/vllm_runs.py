@@ -284,7 +284,7 @@ def run(trainer_name: str, out: Path, *, steps: int, sleep: bool, peft: bool, me
     from trl import GRPOConfig, GRPOTrainer
 
     from odc_hf import ODCConfig, ODCGRPOConfig, ODCGRPOTrainer
-    from odc_hf.integrations.vllm_version import prefer_vllm_environment
+    from odc_hf.integrations.upstream.vllm import prefer_vllm_environment
 
     prefer_vllm_environment()  # TRL's run too: the same engine environment for both trainers
     rank = int(os.environ.get("RANK", "0"))

@@ -2,7 +2,7 @@
 implementation behind :mod:`odc_hf.attention`'s public names.
 
 Packed microbatches (several documents in one row, ``position_ids`` restarting at 0, as TRL's padding-free
-collator and :class:`~odc_hf.integrations.bundle.BundleCollator` build them) need attention that stays inside each
+collator and :class:`~odc_hf.integrations.trainer.bundle.BundleCollator` build them) need attention that stays inside each
 document. transformers' ``"sdpa"`` does that with an explicit block-diagonal mask (``masking_utils``), and
 SDPA with a materialised mask runs a kernel that skips nothing: a row of documents s1, s2, ... then costs
 ``(s1 + s2 + ...)^2`` attention, not the ``s1^2 + s2^2 + ...`` the balancer's cost model (and flash-attn's

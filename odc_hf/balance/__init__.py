@@ -2,7 +2,7 @@
 the batch sampler, and the padded (GRPO) layout.
 
 Data flow: ``ODCBatchSampler`` (plans each global minibatch with a cost model) yields this rank's bundle of
-microbatches as dataset indices; ``odc_hf.integrations.bundle`` fetches and packs them. This package imports neither
+microbatches as dataset indices; ``odc_hf.integrations.trainer.bundle`` fetches and packs them. This package imports neither
 transformers, TRL nor torch.distributed (``tests/test_layering.py`` holds it to that). See docs/balancing.md.
 """
 

@@ -13,7 +13,7 @@ Peak device memory of a rank while it runs forward + backward of a microbatch of
 - ``other``: the rest (embeddings, final norm, the loss path: full logits or a fused head).
 
 The per-token terms are linear in ``T`` for memory-linear attention (SDPA's flash/cuDNN kernels, per-document on
-packed rows) and chunked losses; ``odc_hf.integrations.activation_checkpointing.calibrate_memory`` measures them
+packed rows) and chunked losses; ``odc_hf.integrations.compute.activation_checkpointing.calibrate_memory`` measures them
 on the GPU with the run's kernels and loss path. :func:`choose_checkpointing` is the ``activation_checkpointing="auto"``
 rule: the fewest checkpointed layers whose predicted peak fits; ``full`` when nothing is predicted to fit (it
 needs the least memory, so "auto" never fails where "full" would have fitted).

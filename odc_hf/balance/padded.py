@@ -3,7 +3,7 @@
 GRPO trains on padded rows (prompts left-padded, completions right-padded), so a microbatch of r rows costs r times
 its widest row, not the sum of its samples. :func:`plan_padded` splits a generation batch over ranks by cost and
 packs each rank's share into the fewest padded microbatches within the token budget (:func:`pack_padded`); the
-trainer (``odc_hf.integrations.grpo_trainer``) and the benchmark (``benchmarks/grpo_e2e.py``) both plan with it. Pure
+trainer (``odc_hf.integrations.trl.grpo_trainer``) and the benchmark (``benchmarks/grpo_e2e.py``) both plan with it. Pure
 functions of the lengths: every rank computes the same plan alone.
 """
 
@@ -33,7 +33,7 @@ def pack_padded(share, lengths, budget: int, cost_model=None, *, prompts=None, m
     ``prompts`` (prompt length per sample, so completion = length - prompt) makes the budget exact for TRL's
     layout, where rows are padded to the longest prompt *plus* the longest completion (more than the longest
     sample when they come from different samples), rounded up to ``multiple`` columns (the GRPO trainer rounds to
-    128 on CUDA, see ``odc_hf.integrations.grpo_batch``): the cut points are then chosen by :func:`_padded_runs_wide`
+    128 on CUDA, see ``odc_hf.integrations.trl.grpo_batch``): the cut points are then chosen by :func:`_padded_runs_wide`
     on those widths (still the fewest microbatches, then the cheapest, among cuts of the sorted order).
     """
     return [mb for mb, _ in _pack(share, lengths, PaddedPrices(cost_model, budget), prompts, multiple)]

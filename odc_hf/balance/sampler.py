@@ -1,6 +1,6 @@
 """``ODCBatchSampler``: one bundle of microbatches per optimizer step, planned identically on every rank.
 
-Use it as the *batch sampler* of a DataLoader over a ``odc_hf.integrations.bundle.BundleDataset``: each
+Use it as the *batch sampler* of a DataLoader over a ``odc_hf.integrations.trainer.bundle.BundleDataset``: each
 "batch" it yields is this rank's bundle for one step, ``list[list[int]]`` (microbatches of dataset indices);
 the dataset turns each microbatch into examples and the collator packs them.
 
@@ -44,7 +44,7 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
         drop_last: drop the last minibatch if it has fewer than ``minibatch_size`` samples; if False it
             is planned too (ranks may get empty bundles when it has fewer samples than ranks).
         truncate: plan over-budget samples as budget-long (the collator must truncate them, see
-            ``odc_hf.integrations.bundle.BundleCollator(truncate=True)``); otherwise they raise a ValueError here.
+            ``odc_hf.integrations.trainer.bundle.BundleCollator(truncate=True)``); otherwise they raise a ValueError here.
         plan_ahead: plan this many steps ahead in a background thread, so a step's plan is ready when training asks
             for it (planning 65,536 samples over 1,024 ranks takes 0.1-0.4 s on one core). The plans are the same:
             each is a pure function of its step's samples. 0: plan each step when it is asked for.

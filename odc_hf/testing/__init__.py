@@ -7,7 +7,7 @@
 - :mod:`.data`: the offline corpus (a shipped snapshot of the Python standard library's sources, :mod:`.corpus`),
   a byte-level BPE tokenizer trained on it
   and tiny Qwen2 models: the main job's embedded defaults (``examples/sft.py``), not the training data path
-  (:mod:`odc_hf.integrations.bundle`);
+  (:mod:`odc_hf.integrations.trainer.bundle`);
 - :mod:`.pretrained_tokenizer`: Qwen2.5's pretrained tokenizer, offline (the ``test`` extra).
 
 The harness is exported here (``from odc_hf.testing import run_ranks``); the data modules load torch, transformers

@@ -122,7 +122,7 @@ def _entry(rank, world_size, port, backend, fn, args, queue, env):
         if cuda:
             os.environ[DEVICE_VARIABLE] = "cuda"
             torch.cuda.set_device(rank % torch.cuda.device_count())
-            # ranks sharing a GPU: LOCAL_RANK names this rank's GPU (odc_hf.integrations.shared_gpu.localize_rank)
+            # ranks sharing a GPU: LOCAL_RANK names this rank's GPU (odc_hf.integrations.launch.shared_gpu.localize_rank)
             os.environ["LOCAL_RANK"] = str(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT)
         dist.init_process_group(

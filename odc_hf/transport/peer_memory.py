@@ -14,7 +14,7 @@ IPC where ranks share one (or symmetric memory is missing). Both give the CUDA t
 allocation, a list of ``world_size`` byte views, the caller's own at its rank. Copy-engine reads and system-scope
 Triton atomics work on either.
 
-Expandable segments (odc_hf turns them on, ``odc_hf/integrations/cuda_allocator.py``): torch exports such
+Expandable segments (odc_hf turns them on, ``odc_hf/integrations/launch/cuda_allocator.py``): torch exports such
 allocations as POSIX file descriptors rather than ``cudaIpcMemHandle`` s, which peers open through ``pidfd_getfd``;
 :func:`check_peer_mappings` reads back what a peer wrote into a mapped buffer at registration, so a mapping that
 does not work stops the job with a clear error instead of training on garbage.

@@ -1,0 +1,1 @@
+"""Checkpoints of the ODC trainers: saving, loading, resuming from complete checkpoints only."""

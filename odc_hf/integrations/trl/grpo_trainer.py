@@ -1,0 +1,402 @@
+"""TRL GRPO with ODC: ``ODCGRPOTrainer`` (its arguments: ``ODCGRPOConfig``, ``odc_hf.integrations.trl.grpo_config``).
+
+One optimizer step of TRL's ``GRPOTrainer`` (``steps_per_generation == gradient_accumulation_steps``, TRL's
+default) trains on one generation batch, split on every rank into ``gradient_accumulation_steps`` padded
+microbatches of ``per_device_train_batch_size`` completions; under FSDP collectives the rank holding the longest
+completions sets the pace of every layer of every microbatch. Here, per generation:
+
+1. each rank generates its own prompts (``generate()`` under FSDP2 gathers peers' shards one-sidedly, so ranks
+   finish at different times without waiting for each other; with ``use_vllm=True`` on its own colocated vLLM
+   engine, TRL's ``VLLMGeneration``, its weights pushed from ODC's published shards:
+   :mod:`odc_hf.integrations.vllm.sync`) and TRL scores them (advantages are final);
+2. every sample gets the loss weight TRL's normalisation gives it (see :func:`sample_weights`): the collective
+   trainer's loss is a fixed weighted sum of per-token terms, and only the weights depend on which rank and
+   microbatch TRL put a sample in;
+3. one exchange (``all_gather_object`` of the unpadded samples), then every rank plans the same split of the
+   generation batch by cost (``ODCConfig.balance`` / ``cost_model``) into its microbatches within the budget; ranks
+   run different numbers of them. ``ODCConfig.grpo_layout``: ``packed`` microbatches are one row of prompt +
+   completion sequences back to back (per-sequence positions, varlen attention: FlashAttention-4 or sdpa_varlen;
+   planned as packed rows, like SFT); ``padded`` ones are TRL's layout (planned by :func:`plan_padded`);
+4. TRL's own ``compute_loss`` runs per microbatch with the weights folded into the loss mask, so its per-token
+   loss (clipping, ``delta``, KL, masks) is used as is; its per-microbatch metric collectives stay local, and the
+   metrics are recomputed per TRL microbatch (slice) and aggregated once per step as TRL defines them
+   (:mod:`odc_hf.integrations.trl.grpo_metrics`). In the packed layout the model's forward runs on the packed row and
+   its per-token log-probs and entropies are put back into TRL's (rows, completion columns) tensors
+   (:func:`~odc_hf.integrations.trl.grpo_batch.pack_rows`), where TRL's loss and metrics run unchanged; the reference
+   model's (and old-policy) log-probs of the generation phase are taken from packed rows the same way.
+
+TRL private surfaces used, all listed and checked at construction by :mod:`odc_hf.integrations.upstream.trl` (the one
+TRL version policy; ``tests/test_grpo_trl_surface.py``):
+``_generate_and_score_completions`` (generation + scoring), ``_get_train_sampler`` (overridden: one dataloader
+batch per optimizer step), ``_metrics`` (per-step aggregation), ``_get_per_token_logps_and_entropies`` and
+``_compute_loss`` (the metrics' recomputation per slice), and the key names of the batch dict that
+``_compute_loss`` reads (``tool_mask`` multiplies the loss mask, ``num_items_in_batch`` normalises ``dapo``). With
+vLLM, ``VLLMGeneration``'s sleep flag and the ``LLM`` name its engine is built through
+(:mod:`odc_hf.integrations.vllm.sync`, ``tests/test_grpo_vllm.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from trl import GRPOTrainer
+from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict
+
+from odc_hf.balance.padded import plan_padded
+from odc_hf.balance.planner import PLANNERS
+from odc_hf.fsdp import install_odc, is_sharded, shard_model
+from odc_hf.integrations.compute.attention import prepare_attention
+from odc_hf.integrations.models.family import every_rank_values
+from odc_hf.integrations.trainer.mixin import ODCMixin
+from odc_hf.integrations.trainer.train_data import padded_worst_case, resolve_max_tokens
+from odc_hf.integrations.trl.grpo_batch import (
+    PACKED_KEY,
+    GRPOBundle,
+    collate,
+    pack_rows,
+    padded_columns_multiple,
+    sample_length,
+    sample_weights,
+    scatter_packed,
+    unbatch,
+)
+from odc_hf.integrations.trl.grpo_config import check_arguments, refusals
+from odc_hf.integrations.trl.grpo_metrics import CLIP_EXTREMES, MetricRecorder, SliceMetrics, mean_keys, rows
+from odc_hf.integrations.upstream.deprecations import quiet_upstream_deprecations
+from odc_hf.integrations.upstream.trl import check_trl_grpo
+from odc_hf.integrations.vllm.sync import adopt_generation
+from odc_hf.integrations.vllm.weights import LoraMerge
+
+logger = logging.getLogger(__name__)
+
+
+class _GRPOPart:
+    """The GRPO specifics on top of :class:`ODCMixin`; see the module docstring."""
+
+    odc_global_batch_option = False  # the batch is TRL's generation batch, sized from its own arguments
+
+    def __init__(self, *args, **kwargs):
+        base = {k: v for k, v in kwargs.items() if k != "odc_config"}  # the base trainer's arguments
+        arguments = self._odc_argument("args", args, base)
+        if arguments is not None:  # None: TRL's default GRPOConfig, checked below
+            check_arguments(arguments, arguments.gradient_accumulation_steps,
+                            self._odc_argument("peft_config", args, base))  # fmt: skip
+        # Ranks sharing a GPU: TRL sets LOCAL_RANK to accelerate's local process index before it builds each rank's
+        # vLLM engine, and vLLM takes that as the engine's GPU; in the shared-GPU mode that index is the rank's GPU
+        # (shared_gpu.localize_rank), so each engine starts on the GPU its rank computes on.
+        super().__init__(*args, **kwargs)
+        check_trl_grpo(self)
+        refuse = refusals(self.args, self.odc_folded_accumulation)
+        if not self.odc_config.enabled:
+            refuse.append("ODCConfig(enabled=False): for the collective baseline use trl.GRPOTrainer itself")
+        if refuse:
+            raise ValueError("ODCGRPOTrainer does not support " + "; ".join(refuse))
+        if self.use_vllm:  # TRL's engine, ODC's weight sync (odc_hf/integrations/vllm/sync.py)
+            adopt_generation(self.vllm_generation, self._odc_full_weights, self._odc_lora_merge())
+        self.odc_generation_steps = 0  # optimizer steps trained since the last generation
+        self.odc_root_initialised = False  # see _odc_generate_without_lockstep
+        self.odc_bundle: GRPOBundle | None = None
+        self.odc_plan_summary: dict = {}
+        self.odc_ref = self._odc_install_ref() if self.ref_model is not None else None
+        self.odc_slice_metrics: SliceMetrics | None = None
+        self._odc_forward: tuple | None = None  # (log-probs, entropies) of the last training forward
+        self._odc_replay: tuple | None = None  # what _get_per_token_logps_and_entropies returns while recomputing
+        self._odc_packed: dict | None = None  # the packed row of the microbatch compute_loss is on (packed layout)
+        self.odc_grpo_packed = self._odc_packed_layout()
+        if self.accelerator.is_main_process:
+            logger.info("odc_hf: GRPO training microbatches %s (grpo_layout=%r)",
+                        "packed" if self.odc_grpo_packed else "padded", self.odc_config.grpo_layout)  # fmt: skip
+
+    def _odc_full_weights(self):
+        """The policy's whole parameters for the vLLM sync: from ODC's published shards (no collective), or,
+        in one process (no ODC, no sharding), the parameters themselves."""
+        if self.odc is not None:
+            return self.odc.full_parameters()
+        model = self.accelerator.unwrap_model(self.model)
+        return ((name, param.detach()) for name, param in model.named_parameters())
+
+    def _odc_lora_merge(self) -> LoraMerge | None:
+        """How the vLLM sync merges the policy's LoRA adapter (peft's config), ``None`` without one."""
+        model = self.accelerator.unwrap_model(self.model)
+        configs = getattr(model, "peft_config", None)
+        if not configs:
+            return None
+        adapter = model.active_adapter
+        if not isinstance(adapter, str):  # several active adapters
+            raise NotImplementedError(f"odc_hf's vLLM weight sync merges one active adapter, got {adapter}")
+        return LoraMerge.from_config(configs[adapter], adapter)
+
+    def _odc_packed_layout(self) -> bool:
+        """``ODCConfig.grpo_layout`` resolved. ``auto`` packs under a varlen attention that gains from it: the flash
+        implementations (FlashAttention-4, one H200, a GRPO-like group of 64 sequences: packed rows 1.19-1.22x the
+        padded layout in three runs, 2.4x TRL's; benchmarks/results/attention_compare_h200x1_2026-12-02_grpo.md),
+        and sdpa_varlen off CUDA. It keeps the padded rows under sdpa_varlen on CUDA (per-document SDPA calls: 2.71 s packed vs 2.31 s padded
+        there) and under dense-mask attentions (``sdpa``, ``eager``: a packed row would cost full-row attention)."""
+        layout = self.odc_config.grpo_layout
+        if layout != "auto":
+            return layout == "packed"
+        attention = self.odc_attention_choice
+        return attention.is_flash or (attention.is_varlen and self.accelerator.device.type != "cuda")
+
+    def _odc_install_ref(self):
+        """Put the (frozen, never updated) reference model on ODC too: its no-grad forwards gather one-sidedly."""
+        if self.accelerator.num_processes < 2:
+            return None
+        ref = self.ref_model
+        if not is_sharded(ref):  # CPU path: TRL kept a full replica; shard it like the policy
+            ref.to(self.accelerator.device)
+            shard_model(ref)
+        config = self.odc_config
+        return install_odc(ref, timeout_s=config.timeout_s, shm_dir=config.shm_dir, peer_memory=config.cuda_peer_memory,
+                           deterministic=config.deterministic)  # published once, for good
+
+    # -- data: one dataloader batch (this rank's part of a generation batch) per optimizer step --------------
+    def get_train_dataloader(self):
+        prepare_attention(self, None)  # FlashAttention-4's kernels compiled before step 1 (no-op elsewhere)
+        if hasattr(self.train_dataset, "__len__"):
+            self.odc_note_dataset(len(self.train_dataset))  # prompts: their count (no token counts read here)
+        return super(ODCMixin, self).get_train_dataloader()  # TRL's loader, with the sampler below
+
+    def _get_train_sampler(self, dataset=None):
+        return RepeatSampler(
+            data_source=self.train_dataset if dataset is None else dataset,
+            mini_repeat_count=self.num_generations,
+            batch_size=self.args.generation_batch_size // self.num_generations,
+            repeat_count=self.num_iterations,  # TRL: num_iterations * steps_per_generation microsteps
+            shuffle=self.shuffle_dataset,
+            seed=self.args.seed,
+        )
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        try:
+            return [next(epoch_iterator)], None
+        except StopIteration:
+            return [], None
+
+    # -- one optimizer step ---------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()  # as Trainer.training_step does before TRL's _prepare_inputs: TRL reads the mode from it
+        if self.odc_bundle is None or self.odc_generation_steps % self.num_iterations == 0:
+            self.odc_bundle = self.odc_generate_and_plan(inputs)
+            self.odc_generation_steps = 0
+        self.odc_generation_steps += 1
+        return super().training_step(model, self.odc_bundle, num_items_in_batch)
+
+    @contextlib.contextmanager
+    def _odc_generate_without_lockstep(self):
+        """``generate()`` with ``synced_gpus=False`` under ODC, for TRL's call (which passes none).
+
+        transformers turns ``synced_gpus`` on for every FSDP2 model (``fully_shard`` marks its modules
+        ``_is_fsdp_managed_module``, which ``generate()`` reads): each rank then all-reduces a "finished" flag after
+        every token and keeps stepping until the slowest rank is done, the lockstep ODC removes (a collective per token,
+        found by tests/test_collective_audit.py). Under ODC a forward gathers one-sidedly and needs no peer, so each rank
+        stops at its own length. The model object TRL generates with gets that default for the call, then loses it.
+        With PEFT, generation also enters below FSDP's root unit (see the comments below).
+        """
+        model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL's unwrap_model_for_generation yields
+        if self.odc is None or self.use_vllm or "generate" in vars(model):  # vLLM: no policy generate()
+            yield
+            return
+        root = self.model_wrapped
+        bypassed = hasattr(model, "peft_config") and isinstance(root, FSDPModule)
+        if bypassed and not self.odc_root_initialised:
+            # FSDP2 makes the first FSDP module that runs forward its root. The root is the PeftModel, but PEFT's
+            # generate() enters the wrapped transformers model, so a first generate would start at an inner unit and
+            # fail ("FSDP requires a single root module"). One token through the PeftModel settles the root first
+            # (no collective under ODC: the gathers are one-sided).
+            with torch.no_grad():
+                root(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.accelerator.device))
+            self.odc_root_initialised = True
+        model.generate = functools.partial(type(model).generate, model, synced_gpus=False)
+        try:
+            if bypassed:  # the root's own parameters (a PEFT model's final norm) are not gathered by any inner unit
+                root.unshard()
+            yield
+        finally:
+            del model.generate
+            if bypassed:
+                root.reshard()
+
+    def odc_generate_and_plan(self, inputs) -> GRPOBundle:
+        """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
+        with self._odc_users_arguments(), quiet_upstream_deprecations(), self._odc_generate_without_lockstep():
+            batch = self._generate_and_score_completions(inputs)
+        # The microbatches TRL would train on: its shuffle (same RNG draw, so runs stay comparable) and split.
+        batch = shuffle_sequence_dict(batch)
+        num_slices, size = self.odc_folded_accumulation, batch["completion_ids"].size(0)
+        slice_of = torch.arange(size) // max(1, size // num_slices)
+        loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
+        weights = sample_weights(loss_mask.cpu(), slice_of, loss_type=self.loss_type, num_slices=num_slices,
+                                 world_size=self.accelerator.num_processes,
+                                 max_completion_length=self.max_completion_length,
+                                 num_items_in_batch=float(batch["num_items_in_batch"]))  # fmt: skip
+        local = unbatch(batch, weights)
+        for sample, g in zip(local, slice_of.tolist()):
+            sample["odc_slice"] = g  # the TRL microbatch it belongs to: TRL's metrics are defined per slice
+        gathered: list = [local]
+        if self.accelerator.num_processes > 1:  # one process: no process group, nothing to exchange
+            gathered = [None] * self.accelerator.num_processes
+            dist.all_gather_object(gathered, local)  # the one exchange per generation
+        samples = [s for part in gathered for s in part]
+        lengths = [sample_length(s) for s in samples]
+        packed = self.odc_grpo_packed
+        # the cuDNN NaN workaround (CUDA_PAD_TO_MULTIPLE_OF) concerns masked padded rows on cuDNN only
+        multiple = 1 if packed else padded_columns_multiple(self.accelerator.device.type,
+                                                            self.odc_attention_choice.implementation)  # fmt: skip
+        prompts = [int(s["prompt_ids"].numel()) for s in samples]
+        worst_case = padded_worst_case(lengths, prompts, rows=self.args.per_device_train_batch_size, multiple=multiple)
+        max_tokens_per_microbatch = resolve_max_tokens(self.odc_config, lengths, worst_case, truncatable=False)
+        world, rank, balance = self.accelerator.num_processes, self.accelerator.process_index, self.odc_config.balance
+        if packed:  # rows of whole sequences within the budget, as SFT plans them (dummy microbatches dropped)
+            plan = PLANNERS[balance](lengths, world, max_tokens_per_microbatch, self._odc_cost_model())
+        else:
+            plan = plan_padded(lengths, world, max_tokens_per_microbatch, self._odc_cost_model(), balance,
+                               prompts=prompts, multiple=multiple)  # fmt: skip
+        mine = [mb for mb in plan.for_rank(rank) if mb]
+        self.odc_plan_summary = plan.summary()
+        self.odc_weight_scale = min(s["weight"] for s in samples)  # relative weights >= 1 (see compute_loss)
+        pad = getattr(self.processing_class, "tokenizer", self.processing_class).pad_token_id
+        return GRPOBundle([collate([samples[i] for i in mb], pad, "cpu", pad_to_multiple_of=multiple, packed=packed)
+                           for mb in mine])  # fmt: skip
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss on one ODC microbatch, each sample weighted as the collective trainer weighs it.
+
+        TRL's ``dapo`` branch computes ``sum(per_token_loss * mask) / normaliser`` with ``mask = completion_mask *
+        tool_mask``. Passing ``tool_mask`` = the sample's weight relative to the smallest one (>= 1, so TRL's
+        ``mask.sum().clamp(min=1)`` guards never bite) and a ``num_items_in_batch`` that makes the normaliser the
+        inverse of that smallest weight gives ``sum_i w_i * sum_t(per_token_loss * mask)``: every supported loss
+        type (same per-token loss in TRL, different normalisers) becomes this one weighted sum.
+        """
+        if "odc_weight" not in inputs:  # evaluation: TRL's own path
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = dict(inputs)
+        self._odc_packed = inputs.pop(PACKED_KEY, None)
+        slices = inputs.pop("odc_slice")
+        relative = (inputs.pop("odc_weight") / self.odc_weight_scale).float().unsqueeze(1)
+        tool = inputs.get("tool_mask")
+        weighted = dict(inputs, tool_mask=relative if tool is None else tool * relative)
+        world = self.accelerator.num_processes
+        # TRL: normaliser = num_items / W * current_gradient_accumulation_steps (1 here) / steps_per_generation
+        inputs["num_items_in_batch"] = weighted["num_items_in_batch"] = torch.tensor(
+            world * self.args.steps_per_generation / self.odc_weight_scale, dtype=torch.float32, device=relative.device
+        )  # fmt: skip
+        loss_type, self.loss_type = self.loss_type, "dapo"
+        try:
+            loss = super().compute_loss(model, weighted, return_outputs, num_items_in_batch)
+            self._odc_recompute_metrics(model, inputs, slices)
+        finally:
+            self.loss_type = loss_type
+            self._odc_forward = self._odc_packed = None
+        return loss
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if self._odc_replay is not None:  # recomputing a slice's metrics: the training forward's values, no forward
+            return self._odc_replay
+        if self.odc_grpo_packed and not args and all(
+            kwargs.get(k) is None for k in kwargs if k not in ("batch_size", "compute_entropy", "compute_aux_loss")
+        ):  # text-only inputs: packed rows
+            out = self._odc_packed_logps(model, input_ids, attention_mask, logits_to_keep, kwargs.get("batch_size"),
+                                         kwargs.get("compute_entropy", False), kwargs.get("compute_aux_loss", False))  # fmt: skip
+        else:
+            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
+                                                             **kwargs)  # fmt: skip
+        if model.training:
+            self._odc_forward = out
+        return out
+
+    def _odc_packed_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                          compute_aux_loss=False):  # fmt: skip
+        """TRL's per-token log-probs (and entropies, and a MoE model's router loss) of a padded (rows, columns)
+        batch, from forwards on packed rows.
+
+        The training microbatch brings its packed row (built on the CPU by the collator); other calls (the reference
+        model's and old-policy log-probs during generation, evaluation) pack TRL's chunks of ``batch_size`` rows
+        here, reading the mask once per chunk. The router loss of a packed row counts its real tokens, as TRL's over
+        the padded rows' attention mask does; several chunks give their mean, as in TRL."""
+        size = input_ids.size(0)
+        batch_size = batch_size or size
+        logps, entropies, aux = [], [], []
+        router = {"output_router_logits": True} if compute_aux_loss else {}
+        for start in range(0, size, batch_size):
+            packed = self._odc_packed
+            if packed is None or start > 0 or packed["index"].shape != (size, logits_to_keep) or batch_size < size:
+                packed = pack_rows(input_ids[start : start + batch_size], attention_mask[start : start + batch_size],
+                                   logits_to_keep)  # fmt: skip
+            packed = {k: v.to(input_ids.device) if isinstance(v, torch.Tensor) else v for k, v in packed.items()}
+            index = packed.pop("index")
+            with self.accelerator.autocast():
+                out = model(**packed, fused_lm_head=True, **router)
+            logps.append(scatter_packed(out.log_probs, index))
+            entropies.append(scatter_packed(out.entropy, index) if compute_entropy else None)
+            aux.append(out.aux_loss)
+        return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None,
+                torch.stack(aux).mean() if compute_aux_loss else None)  # fmt: skip
+
+    @torch.no_grad()
+    def _odc_recompute_metrics(self, model, inputs: dict, slices: torch.Tensor) -> None:
+        """TRL's ``_compute_loss`` on each slice's rows of this microbatch, TRL's own mask, the forward's values:
+        records what TRL would reduce / gather for its metrics (:mod:`odc_hf.integrations.trl.grpo_metrics`)."""
+        logps, entropies, aux = self._odc_forward
+        size, accelerator = slices.numel(), self.accelerator
+        metrics = self._metrics["train"]
+        appended = {key: len(values) for key, values in metrics.items()}  # what the replays append is dropped below
+        try:
+            for g in slices.unique().tolist():
+                index = (slices == g).nonzero().flatten().to(logps.device)
+                self._odc_replay = (logps[index].detach(), entropies[index].detach(), aux)
+                self.accelerator = recorder = MetricRecorder(accelerator)
+                super().compute_loss(model, rows(inputs, index, size))
+                self.odc_slice_metrics.add(int(g), recorder)
+        finally:
+            self._odc_replay, self.accelerator = None, accelerator
+            for key in list(metrics):
+                del metrics[key][appended.get(key, 0) :]
+
+    # -- once-per-step metrics ------------------------------------------------------------------------
+    def odc_trl_loss_head(self) -> bool:  # GRPOTrainer scores completions with TRL's fused LM head
+        return True
+
+    def odc_before_bundle(self):
+        self.odc_slice_metrics = SliceMetrics(self.odc_folded_accumulation, self.beta)
+        metrics = self._metrics["train"]
+        router = ("aux_loss",) if self.aux_loss_enabled else ()
+        return {k: len(metrics[k]) for k in (*mean_keys(self.beta), *CLIP_EXTREMES, *router)}
+
+    def odc_after_bundle(self, snapshot, bundle) -> None:
+        """Replace what TRL's ``_compute_loss`` appended per ODC microbatch by its per-slice values (one gather)."""
+        local = self.odc_slice_metrics.vector().to(self.accelerator.device)
+        every = self.accelerator.gather(local.unsqueeze(0)).reshape(self.accelerator.num_processes, -1).cpu()
+        metrics = self._metrics["train"]
+        for key, values in self.odc_slice_metrics.combine(every).items():
+            del metrics[key][snapshot[key] :]
+            metrics[key].extend(values)
+        if self.aux_loss_enabled:  # MoE: one value per microbatch, as TRL appends them, every rank's
+            start = snapshot["aux_loss"]
+            metrics["aux_loss"][start:] = every_rank_values(self.accelerator, metrics["aux_loss"][start:])
+
+    def log(self, logs, *args, **kwargs):
+        if "loss" in logs and self.odc_plan_summary:
+            logs = {**logs, "odc/predicted_bubble": round(self.odc_plan_summary["predicted_bubble_odc"], 4)}
+        synced = getattr(getattr(self, "vllm_generation", None), "odc_sync_seconds", None)
+        if "loss" in logs and synced:  # this rank's last push of the weights into its vLLM engine
+            logs = {**logs, "odc/vllm_sync_s": round(synced[-1], 4)}
+        return super().log(logs, *args, **kwargs)
+
+
+class ODCGRPOTrainer(_GRPOPart, ODCMixin, GRPOTrainer):
+    """``trl.GRPOTrainer`` with ODC."""
+
+
+def make_odc_grpo_trainer(grpo_cls: type[GRPOTrainer]) -> type[GRPOTrainer]:
+    """``ODCX = make_odc_grpo_trainer(X)`` for a subclass X of ``trl.GRPOTrainer``: ``class ODCX(_GRPOPart, ODCMixin,
+    X)``, as ``ODCGRPOTrainer``."""
+    return type(f"ODC{grpo_cls.__name__}", (_GRPOPart, ODCMixin, grpo_cls), {"__module__": __name__})
+
+
+__all__ = ["ODCGRPOTrainer", "make_odc_grpo_trainer"]

@@ -1,0 +1,111 @@
+"""The transformers version policy of odc_hf: every name of transformers it uses that transformers does not export
+at its top level (private methods and attributes, names of its submodules), in one place, with the versions they
+were tested on.
+
+odc_hf runs on transformers >= 5.17; it is tested on :data:`TESTED_TRANSFORMERS` (``odc_hf.version.TESTED``: 5.17 on
+the GPU image, the locked version on CPU) and warns once on another minor (:func:`odc_hf.version.warn_if_untested`).
+A private name can disappear or change meaning in any release. A name that disappears is found at start-up
+(:func:`check_trainer`, which refuses naming it) or by ``tests/test_transformers_surface.py``, which checks every name
+listed here against the installed transformers and that this list covers every private Trainer method the ODC
+trainers override. Add a version to ``odc_hf.version.TESTED`` once that test and the parity tests pass on it.
+
+The ODC trainers import the submodule names below from here; ``odc_hf.attention`` (a lower layer) imports its own
+two, listed in :data:`SUBMODULE_NAMES` all the same.
+"""
+
+from __future__ import annotations
+
+import transformers
+from transformers import GradientCheckpointingLayer
+from transformers.integrations.liger import apply_liger_kernel
+from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.utils import is_flash_attn_4_available
+
+from odc_hf.version import TESTED, warn_if_untested
+
+TESTED_TRANSFORMERS = TESTED["transformers"]
+"""transformers minors odc_hf is tested on (a view of ``odc_hf.version.TESTED``)."""
+
+TRAINER_HOOKS = (
+    "_build_accelerator_args",  # where the Trainer builds its accelerator's arguments: ODC's FSDP plugin goes in
+    "_save_checkpoint",  # a completion marker after every rank's parts, then the rotation of old checkpoints
+    "_save_optimizer_and_scheduler",  # the CPU path's sharded optimizer (torch.distributed.checkpoint)
+    "_load_optimizer_and_scheduler",  # and its loading; a checkpoint lacking the optimizer is an error
+    "_issue_warnings_after_load",  # tied copies are never saved: not reported as missing
+    "_get_output_dir",  # called: the run's output folder, where the checkpoints go
+    "_get_train_sampler",  # GRPO: one dataloader batch per optimizer step (TRL overrides it too)
+)
+"""Private ``transformers.Trainer`` methods the ODC trainers override or call."""
+
+SUBMODULE_NAMES = {
+    "transformers.trainer": ("TRAINING_ARGS_NAME", "TRAINER_STATE_NAME"),  # saved / resumed checkpoint files
+    "transformers.trainer_utils": ("PREFIX_CHECKPOINT_DIR", "rotate_checkpoints"),  # checkpoint folders
+    "transformers.integrations.liger": ("apply_liger_kernel",),  # Liger's kernels, as the Trainer applies them
+    "transformers.utils": ("is_flash_attn_4_available",),  # transformers' own FlashAttention-4 check
+    "transformers.integrations.sdpa_attention": ("sdpa_attention_forward",),  # odc_hf.attention
+    "transformers.masking_utils": ("sdpa_mask",),  # odc_hf.attention
+}
+"""Names odc_hf imports from transformers' submodules (not exported by ``transformers`` itself)."""
+
+PRIVATE_ATTRIBUTES = {
+    "PretrainedConfig": ("_attn_implementation",),  # the model's attention implementation (read; set publicly)
+    "PreTrainedModel": ("_supports_flash_attn", "_supports_sdpa"),  # whether a model can run flash attention / SDPA
+    "GradientCheckpointingLayer": ("_gradient_checkpointing_func",),  # whether checkpointing was enabled
+}
+"""Private attributes odc_hf reads, by the transformers class that holds them (``_gradient_checkpointing_func``
+exists once checkpointing is enabled)."""
+
+
+def attn_implementation(model) -> str | None:
+    """The attention implementation a transformers model runs (its config's ``_attn_implementation``), or None."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def supports_flash_attention(model) -> bool:
+    """Whether a transformers model declares flash-attention support (``_supports_flash_attn``)."""
+    return bool(getattr(model, "_supports_flash_attn", False))
+
+
+def supports_sdpa(model) -> bool:
+    """Whether transformers lets a model run an implementation named ``*sdpa*`` (``_supports_sdpa``; Gemma 2 and
+    GPT-OSS do not: SDPA has no soft-capping or sinks)."""
+    return bool(getattr(model, "_supports_sdpa", True))
+
+
+def checkpointing_installed(layer) -> bool:
+    """Whether transformers installed its checkpoint function on a ``GradientCheckpointingLayer``."""
+    return hasattr(layer, "_gradient_checkpointing_func")
+
+
+def check_trainer(trainer_cls: type) -> None:
+    """Raise when ``trainer_cls`` lacks a private Trainer method of :data:`TRAINER_HOOKS` it overrides or calls
+    (a transformers that renamed it), naming it and the tested versions; warn once on an untested transformers."""
+    warn_if_untested("transformers")
+    missing = [name for name in TRAINER_HOOKS if not callable(getattr(trainer_cls, name, None))]
+    if missing:
+        raise RuntimeError(
+            f"transformers {transformers.__version__}: {trainer_cls.__name__} lacks {missing}, private Trainer methods "
+            f"odc_hf overrides or calls; odc_hf was tested on transformers {TESTED_TRANSFORMERS} "
+            "(odc_hf/integrations/upstream/transformers.py)"
+        )
+
+
+__all__ = [
+    "PREFIX_CHECKPOINT_DIR",
+    "PRIVATE_ATTRIBUTES",
+    "SUBMODULE_NAMES",
+    "TESTED_TRANSFORMERS",
+    "TRAINER_HOOKS",
+    "TRAINER_STATE_NAME",
+    "TRAINING_ARGS_NAME",
+    "apply_liger_kernel",
+    "attn_implementation",
+    "check_trainer",
+    "checkpointing_installed",
+    "is_flash_attn_4_available",
+    "rotate_checkpoints",
+    "supports_flash_attention",
+    "supports_sdpa",
+    "GradientCheckpointingLayer",
+]

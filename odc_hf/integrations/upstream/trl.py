@@ -1,0 +1,48 @@
+"""The one TRL version policy of odc_hf, shared by its SFT and GRPO trainers (``odc_hf.integrations.trl.sft_trainer`` and
+``odc_hf.integrations.trl.grpo_trainer``): the TRL versions they were tested on and every private TRL name they read."""
+
+from __future__ import annotations
+
+from odc_hf.version import TESTED, warn_if_untested
+
+# The one TRL version policy of odc_hf (odc_hf.version's policy applied to TRL). Both trainers read private TRL names
+# (SFT: ``_metrics`` and ``_total_train_tokens``, re-aggregated once per step; GRPO: ``_generate_and_score_completions``,
+# ``_get_train_sampler``, ``_metrics`` and the batch keys and loss normalisers of ``_compute_loss``). A name that
+# disappears is refused by name; one whose meaning changes cannot be detected at run time, so another minor warns
+# once, naming the tested ones. Add a minor to odc_hf.version.TESTED once tests/test_grpo_trl_surface.py and the
+# parity tests (tests/test_*parity.py, tests/test_model_zoo.py) pass on it.
+TESTED_TRL = TESTED["trl"]
+
+SFT_PRIVATE_ATTRIBUTES = ("_metrics", "_total_train_tokens", "aux_loss_enabled", "router_aux_loss_coef")
+"""What ``ODCSFTTrainer`` reads of TRL's ``SFTTrainer``: its metrics, re-aggregated once per step, and its MoE router
+loss switch and coefficient (weighed per step: ``odc_hf.integrations.models.family.weigh_router_loss``)."""
+GRPO_PRIVATE_METHODS = ("_generate_and_score_completions", "_get_train_sampler", "compute_loss", "_compute_loss",
+                        "_get_per_token_logps_and_entropies")
+"""TRL ``GRPOTrainer`` methods ``ODCGRPOTrainer`` calls or overrides: generation and scoring, the sampler (one
+dataloader batch per optimizer step), the loss and the metrics' recomputation per slice."""
+GRPO_PRIVATE_ATTRIBUTES = ("_metrics", "loss_type", "beta", "ref_model", "max_completion_length", "num_iterations",
+                           "aux_loss_enabled", "router_aux_loss_coef")
+"""TRL ``GRPOTrainer`` attributes ``ODCGRPOTrainer`` reads (``_metrics``: aggregated once per step)."""
+
+
+def check_trl(trainer, trainer_name: str, *, methods=(), attributes=()) -> None:
+    """Warn once on a TRL outside :data:`TESTED_TRL`; refuse a trainer lacking the private ``methods`` /
+    ``attributes`` odc_hf reads, naming them and the tested versions."""
+    import trl
+
+    warn_if_untested("trl", versions={"trl": trl.__version__})
+    missing = [n for n in methods if not callable(getattr(trainer, n, None))]
+    missing += [n for n in attributes if not hasattr(trainer, n)]
+    if missing:
+        raise RuntimeError(f"trl {trl.__version__}: {trainer_name} lacks {missing}, private TRL names odc_hf reads; "
+                           f"odc_hf was tested on trl {', '.join(TESTED_TRL)}: install one of those")
+
+
+def check_trl_sft(trainer) -> None:
+    """:func:`check_trl` for ``ODCSFTTrainer``."""
+    check_trl(trainer, "ODCSFTTrainer", attributes=SFT_PRIVATE_ATTRIBUTES)
+
+
+def check_trl_grpo(trainer) -> None:
+    """:func:`check_trl` for ``ODCGRPOTrainer``."""
+    check_trl(trainer, "ODCGRPOTrainer", methods=GRPO_PRIVATE_METHODS, attributes=GRPO_PRIVATE_ATTRIBUTES)

@@ -1,0 +1,1 @@
+"""vLLM generation beside ODC: the colocated engine's weights, pushed from ODC's shards."""
