@@ -57,8 +57,9 @@ def _odc_trainer_parts() -> list[type]:
 
 def _upstream_private_names() -> set[str]:
     """Every private name (``_x``, not odc_hf's own ``_odc_x``) that the odc_hf parts of the ODC trainers define
-    (an override) or read as ``self._x`` (a call or attribute of the base trainer), found in their source, whether or
-    not the installed transformers still has it: a method transformers removed must show up here."""
+    (an override) or read as ``self._x`` (a call or attribute of the base trainer), or that the upstream fence's
+    functions read as ``trainer._x``, found in their source, whether or not the installed transformers still has it:
+    a method transformers removed must show up here."""
     names = set()
     for part in _odc_trainer_parts():
         (node,) = [n for n in ast.walk(ast.parse(Path(inspect.getsourcefile(part)).read_text()))
@@ -68,6 +69,10 @@ def _upstream_private_names() -> set[str]:
                 names.add(child.name)
             elif (isinstance(child, ast.Attribute) and isinstance(child.value, ast.Name)
                   and child.value.id == "self"):  # fmt: skip
+                names.add(child.attr)
+    for module in (tv, trl_version):  # the fence's accessors: ``trainer._x`` in its functions
+        for child in ast.walk(ast.parse(Path(inspect.getsourcefile(module)).read_text())):
+            if isinstance(child, ast.Attribute) and isinstance(child.value, ast.Name) and child.value.id == "trainer":
                 names.add(child.attr)
     return {n for n in names if n.startswith("_") and not n.startswith(("__", "_odc_"))}
 

@@ -1,11 +1,11 @@
 """The ODC trainers' checkpoints: complete saves, resuming from complete checkpoints only, the CPU path's optimizer.
 
-A part of :class:`~odc_hf.integrations.trainer.mixin.ODCMixin` (a mixin on the trainer below it). It overrides the private
-Trainer methods of the checkpoint cycle (listed, with the versions they were tested on, in
-:mod:`odc_hf.integrations.upstream.transformers`): ``_save_checkpoint`` adds a completion marker once every rank has
+A part of :class:`~odc_hf.integrations.trainer.mixin.ODCMixin` (a mixin on the trainer below it). It takes the
+Trainer's checkpoint cycle (its private methods, overridden in one place, with the versions they were tested on:
+:class:`odc_hf.integrations.upstream.transformers.TrainerHooks`): a save adds a completion marker once every rank has
 written every part, the optimizer's save and load go through torch.distributed.checkpoint where odc_hf sharded the
-model itself (the CPU path, :mod:`odc_hf.integrations.checkpoint.sharded`), and a resumed checkpoint is checked before the
-Trainer loads anything (:mod:`odc_hf.integrations.checkpoint.resume`).
+model itself (the CPU path, :mod:`odc_hf.integrations.checkpoint.sharded`), and a resumed checkpoint is checked
+before the Trainer loads anything (:mod:`odc_hf.integrations.checkpoint.resume`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from odc_hf.integrations.checkpoint.sharded import (
     missing_tied_keys,
     save_optimizer_and_scheduler,
 )
-from odc_hf.integrations.upstream.transformers import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from odc_hf.integrations.upstream.transformers import PREFIX_CHECKPOINT_DIR, output_dir, rotate_checkpoints
 
 
 class CheckpointPart:
@@ -55,17 +55,17 @@ class CheckpointPart:
         if self._odc_resume_checkpoint is not None:
             resume.check_dataset(self, self._odc_resume_checkpoint, self.odc_dataset)
 
-    def _save_checkpoint(self, model, trial):
+    def odc_save_checkpoint(self, parent, model, trial):
         """The Trainer's save, then a completion marker once every rank has written every part, then the rotation of
         old checkpoints (``save_total_limit``): a job killed while saving leaves the previous checkpoint loadable,
         and ``resume_from_checkpoint=True`` takes the last complete one (:mod:`odc_hf.integrations.checkpoint.resume`)."""
-        run_dir = self._get_output_dir(trial=trial)
+        run_dir = output_dir(self, trial)
         checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             resume.unmark(checkpoint)  # overwriting an older save of this step: incomplete until marked again
         limit, self.args.save_total_limit = self.args.save_total_limit, None  # self.args is odc_hf's copy
         try:
-            super()._save_checkpoint(model, trial)
+            parent(model, trial)
         finally:
             self.args.save_total_limit = limit
         self.accelerator.wait_for_everyone()  # every rank's parts are on disk
@@ -75,23 +75,23 @@ class CheckpointPart:
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)  # fmt: skip
 
     # The optimizer's own format on the CPU path only (odc_hf/integrations/checkpoint/sharded.py).
-    def _save_optimizer_and_scheduler(self, output_dir):
+    def odc_save_optimizer_and_scheduler(self, parent, folder):
         if not self._odc_self_sharded():
-            return super()._save_optimizer_and_scheduler(output_dir)
-        save_optimizer_and_scheduler(self, output_dir)
+            return parent(folder)
+        save_optimizer_and_scheduler(self, folder)
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
+    def odc_load_optimizer_and_scheduler(self, parent, checkpoint):
         if checkpoint is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            return parent(checkpoint)
         if self._odc_self_sharded() or resume.reads_sharded_optimizer(self, checkpoint):
             return load_optimizer_and_scheduler(self, checkpoint)
         check_trainer_optimizer(checkpoint, scheduler=self.lr_scheduler is not None)  # the Trainer skips silently
-        return super()._load_optimizer_and_scheduler(checkpoint)
+        return parent(checkpoint)
 
-    def _issue_warnings_after_load(self, load_result):
+    def odc_issue_warnings_after_load(self, parent, load_result):
         # A tied copy (lm_head.weight sharing the embedding) is never saved, so every correct checkpoint "misses" it:
         # warn only about keys that are really missing.
         if hasattr(load_result, "_replace"):  # torch's _IncompatibleKeys (a namedtuple)
             tied = missing_tied_keys(self.accelerator.unwrap_model(self.model), load_result.missing_keys)
             load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
-        return super()._issue_warnings_after_load(load_result)
+        return parent(load_result)

@@ -39,6 +39,8 @@ import time
 
 import torch
 
+from odc_hf.integrations.upstream.transformers import attn_implementation
+
 logger = logging.getLogger(__name__)
 
 PROBE_WINDOW = 4
@@ -349,7 +351,7 @@ def check_class(cls, config, implementation: str, *, sdpa: bool = True, instance
 def _on_instance(model, trained: str, reference: str, varlen: str) -> tuple:
     """:func:`_compare` on the model itself (documents longer than its shortest window up to 256 tokens), with its
     attention implementation and training mode put back afterwards."""
-    implementation, training = model.config._attn_implementation, model.training
+    implementation, training = attn_implementation(model), model.training
     windows = [w for w in _windows(model.config) if w <= 256]
     lengths = PROBE_DOCUMENTS if not windows else (min(windows) + 7, 6, min(windows) + 3)
     model.eval()

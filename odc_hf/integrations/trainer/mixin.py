@@ -65,7 +65,7 @@ from odc_hf.integrations.trainer.train_data import (
     train_lengths,
     warn_no_label_tokens,
 )
-from odc_hf.integrations.upstream.transformers import check_trainer
+from odc_hf.integrations.upstream.transformers import TrainerHooks, check_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class _ODCCallback(TrainerCallback):
         self.trainer.odc_finish_run()
 
 
-class ODCMixin(CheckpointPart, ObservabilityPart):
+class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
     """Mix into a ``transformers.Trainer`` subclass: ``ODCTrainer``, ``make_odc_trainer(MyTrainer)``.
 
     Reads top to bottom: setup (``__init__``, the accelerator, the run), data (the planned bundles), one optimizer
@@ -196,10 +196,10 @@ class ODCMixin(CheckpointPart, ObservabilityPart):
                 self.odc_folded_accumulation, self.odc_minibatch_per_rank,
             )  # fmt: skip
 
-    def _build_accelerator_args(self, **kwargs):
+    def odc_build_accelerator_args(self, parent, **kwargs):
         # The one way ODC's options reach an accelerator: an ODCFSDPPlugin (odc_hf/integrations/accelerate/plugin.py), here the
         # Trainer's own FSDP plugin (TrainingArguments.fsdp / fsdp_config) plus self.odc_config, or a new one.
-        args = super()._build_accelerator_args(**kwargs)
+        args = parent(**kwargs)
         refuse_other_engines(args.get("deepspeed_plugin"))
         self.odc_plugin = args["fsdp_plugin"] = as_odc_plugin(args.get("fsdp_plugin"), self.odc_config)
         return args

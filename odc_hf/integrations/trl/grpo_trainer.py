@@ -25,8 +25,8 @@ completions sets the pace of every layer of every microbatch. Here, per generati
    (:func:`~odc_hf.integrations.trl.grpo_batch.pack_rows`), where TRL's loss and metrics run unchanged; the reference
    model's (and old-policy) log-probs of the generation phase are taken from packed rows the same way.
 
-TRL private surfaces used, all listed and checked at construction by :mod:`odc_hf.integrations.upstream.trl` (the one
-TRL version policy; ``tests/test_grpo_trl_surface.py``):
+TRL private surfaces used, all reached through :mod:`odc_hf.integrations.upstream.trl` (the one TRL version policy,
+which lists them and checks them at construction; ``tests/test_grpo_trl_surface.py``):
 ``_generate_and_score_completions`` (generation + scoring), ``_get_train_sampler`` (overridden: one dataloader
 batch per optimizer step), ``_metrics`` (per-step aggregation), ``_get_per_token_logps_and_entropies`` and
 ``_compute_loss`` (the metrics' recomputation per slice), and the key names of the batch dict that
@@ -68,7 +68,12 @@ from odc_hf.integrations.trl.grpo_batch import (
 from odc_hf.integrations.trl.grpo_config import check_arguments, refusals
 from odc_hf.integrations.trl.grpo_metrics import CLIP_EXTREMES, MetricRecorder, SliceMetrics, mean_keys, rows
 from odc_hf.integrations.upstream.deprecations import quiet_upstream_deprecations
-from odc_hf.integrations.upstream.trl import check_trl_grpo
+from odc_hf.integrations.upstream.trl import (
+    GRPOHooks,
+    check_trl_grpo,
+    generate_and_score_completions,
+    logged_metrics,
+)
 from odc_hf.integrations.vllm.sync import adopt_generation
 from odc_hf.integrations.vllm.weights import LoraMerge
 
@@ -162,7 +167,8 @@ class _GRPOPart:
             self.odc_note_dataset(len(self.train_dataset))  # prompts: their count (no token counts read here)
         return super(ODCMixin, self).get_train_dataloader()  # TRL's loader, with the sampler below
 
-    def _get_train_sampler(self, dataset=None):
+    def odc_train_sampler(self, dataset=None):
+        """TRL's ``RepeatSampler`` with one dataloader batch per optimizer step."""
         return RepeatSampler(
             data_source=self.train_dataset if dataset is None else dataset,
             mini_repeat_count=self.num_generations,
@@ -225,7 +231,7 @@ class _GRPOPart:
     def odc_generate_and_plan(self, inputs) -> GRPOBundle:
         """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
         with self._odc_users_arguments(), quiet_upstream_deprecations(), self._odc_generate_without_lockstep():
-            batch = self._generate_and_score_completions(inputs)
+            batch = generate_and_score_completions(self, inputs)
         # The microbatches TRL would train on: its shuffle (same RNG draw, so runs stay comparable) and split.
         batch = shuffle_sequence_dict(batch)
         num_slices, size = self.odc_folded_accumulation, batch["completion_ids"].size(0)
@@ -295,7 +301,10 @@ class _GRPOPart:
             self._odc_forward = self._odc_packed = None
         return loss
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+    def odc_per_token_logps_and_entropies(self, parent, model, input_ids, attention_mask, logits_to_keep, *args,
+                                          **kwargs):  # fmt: skip
+        """TRL's per-token log-probs: replayed while recomputing a slice's metrics, on packed rows for text-only
+        inputs, else TRL's own (``parent``)."""
         if self._odc_replay is not None:  # recomputing a slice's metrics: the training forward's values, no forward
             return self._odc_replay
         if self.odc_grpo_packed and not args and all(
@@ -304,8 +313,7 @@ class _GRPOPart:
             out = self._odc_packed_logps(model, input_ids, attention_mask, logits_to_keep, kwargs.get("batch_size"),
                                          kwargs.get("compute_entropy", False), kwargs.get("compute_aux_loss", False))  # fmt: skip
         else:
-            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
-                                                             **kwargs)  # fmt: skip
+            out = parent(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         if model.training:
             self._odc_forward = out
         return out
@@ -344,7 +352,7 @@ class _GRPOPart:
         records what TRL would reduce / gather for its metrics (:mod:`odc_hf.integrations.trl.grpo_metrics`)."""
         logps, entropies, aux = self._odc_forward
         size, accelerator = slices.numel(), self.accelerator
-        metrics = self._metrics["train"]
+        metrics = logged_metrics(self)
         appended = {key: len(values) for key, values in metrics.items()}  # what the replays append is dropped below
         try:
             for g in slices.unique().tolist():
@@ -364,7 +372,7 @@ class _GRPOPart:
 
     def odc_before_bundle(self):
         self.odc_slice_metrics = SliceMetrics(self.odc_folded_accumulation, self.beta)
-        metrics = self._metrics["train"]
+        metrics = logged_metrics(self)
         router = ("aux_loss",) if self.aux_loss_enabled else ()
         return {k: len(metrics[k]) for k in (*mean_keys(self.beta), *CLIP_EXTREMES, *router)}
 
@@ -372,7 +380,7 @@ class _GRPOPart:
         """Replace what TRL's ``_compute_loss`` appended per ODC microbatch by its per-slice values (one gather)."""
         local = self.odc_slice_metrics.vector().to(self.accelerator.device)
         every = self.accelerator.gather(local.unsqueeze(0)).reshape(self.accelerator.num_processes, -1).cpu()
-        metrics = self._metrics["train"]
+        metrics = logged_metrics(self)
         for key, values in self.odc_slice_metrics.combine(every).items():
             del metrics[key][snapshot[key] :]
             metrics[key].extend(values)
@@ -389,7 +397,7 @@ class _GRPOPart:
         return super().log(logs, *args, **kwargs)
 
 
-class ODCGRPOTrainer(_GRPOPart, ODCMixin, GRPOTrainer):
+class ODCGRPOTrainer(_GRPOPart, ODCMixin, GRPOHooks, GRPOTrainer):
     """``trl.GRPOTrainer`` with ODC."""
 
 

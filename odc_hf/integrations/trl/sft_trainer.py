@@ -14,7 +14,13 @@ from trl import SFTTrainer
 
 from odc_hf.integrations.models.family import every_rank_values
 from odc_hf.integrations.trainer.mixin import ODCMixin
-from odc_hf.integrations.upstream.trl import TESTED_TRL, check_trl_sft
+from odc_hf.integrations.upstream.trl import (
+    TESTED_TRL,
+    check_trl_sft,
+    logged_metrics,
+    set_total_train_tokens,
+    total_train_tokens,
+)
 
 _AVERAGED = ("entropy", "mean_token_accuracy")  # ratios over a step's label tokens in TRL
 
@@ -64,12 +70,12 @@ class _SFTPart:
         return tuple(keys)
 
     def odc_before_bundle(self):
-        metrics = self._metrics["train"]
-        return {k: len(metrics[k]) if k in metrics else 0 for k in (*_AVERAGED, "aux_loss")}, self._total_train_tokens
+        metrics = logged_metrics(self)
+        return {k: len(metrics[k]) if k in metrics else 0 for k in (*_AVERAGED, "aux_loss")}, total_train_tokens(self)
 
     def odc_after_bundle(self, snapshot, bundle) -> None:
         lengths, tokens_before = snapshot
-        metrics = self._metrics["train"]
+        metrics = logged_metrics(self)
         label_tokens = [float(mb["num_label_tokens"]) for mb in bundle.microbatches]
         values = []
         for key in _AVERAGED:
@@ -81,7 +87,7 @@ class _SFTPart:
                 values += [sum(v * n for v, n in zip(new, label_tokens)), sum(label_tokens)]
             else:
                 values += [0.0, 0.0]
-        values.append(float(self._total_train_tokens - tokens_before))
+        values.append(float(total_train_tokens(self) - tokens_before))
         vector = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
             vector = self.accelerator.reduce(vector, reduction="sum")
@@ -91,8 +97,8 @@ class _SFTPart:
                 del metrics[key][lengths[key] :]
             if vector[2 * i + 1] > 0:  # over every label token of every rank
                 metrics[key].append(vector[2 * i] / vector[2 * i + 1])
-        self._total_train_tokens = tokens_before + int(vector[-1])
-        metrics["num_tokens"] = [self._total_train_tokens]
+        set_total_train_tokens(self, tokens_before + int(vector[-1]))
+        metrics["num_tokens"] = [total_train_tokens(self)]
         if self.aux_loss_enabled:  # MoE: TRL's one value per microbatch, every rank's (a rank may have none)
             local = metrics["aux_loss"][lengths["aux_loss"] :]
             metrics["aux_loss"][lengths["aux_loss"] :] = every_rank_values(self.accelerator, local)

@@ -78,6 +78,32 @@ def checkpointing_installed(layer) -> bool:
     return hasattr(layer, "_gradient_checkpointing_func")
 
 
+class TrainerHooks:
+    """The private ``transformers.Trainer`` methods the ODC trainers override (:data:`TRAINER_HOOKS`), each handed to
+    a public ``odc_*`` method of the trainer with the Trainer's own method as ``parent``: the one place those names
+    are written. Goes right before the Trainer class in a trainer's bases (after ``ODCMixin``'s parts)."""
+
+    def _build_accelerator_args(self, **kwargs):
+        return self.odc_build_accelerator_args(super()._build_accelerator_args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        return self.odc_save_checkpoint(super()._save_checkpoint, model, trial)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        return self.odc_save_optimizer_and_scheduler(super()._save_optimizer_and_scheduler, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        return self.odc_load_optimizer_and_scheduler(super()._load_optimizer_and_scheduler, checkpoint)
+
+    def _issue_warnings_after_load(self, load_result):
+        return self.odc_issue_warnings_after_load(super()._issue_warnings_after_load, load_result)
+
+
+def output_dir(trainer, trial=None) -> str:
+    """The run's output folder, where the Trainer writes its checkpoints (``Trainer._get_output_dir``)."""
+    return trainer._get_output_dir(trial=trial)
+
+
 def check_trainer(trainer_cls: type) -> None:
     """Raise when ``trainer_cls`` lacks a private Trainer method of :data:`TRAINER_HOOKS` it overrides or calls
     (a transformers that renamed it), naming it and the tested versions; warn once on an untested transformers."""
@@ -108,4 +134,6 @@ __all__ = [
     "supports_flash_attention",
     "supports_sdpa",
     "GradientCheckpointingLayer",
+    "TrainerHooks",
+    "output_dir",
 ]

@@ -46,3 +46,55 @@ def check_trl_sft(trainer) -> None:
 def check_trl_grpo(trainer) -> None:
     """:func:`check_trl` for ``ODCGRPOTrainer``."""
     check_trl(trainer, "ODCGRPOTrainer", methods=GRPO_PRIVATE_METHODS, attributes=GRPO_PRIVATE_ATTRIBUTES)
+
+
+class GRPOHooks:
+    """The private ``GRPOTrainer`` methods ``ODCGRPOTrainer`` overrides, each handed to a public ``odc_*`` method
+    (with TRL's own as ``parent`` where ODC falls back to it): the one place those names are written. Goes right
+    before ``GRPOTrainer`` in the trainer's bases."""
+
+    def _get_train_sampler(self, dataset=None):
+        return self.odc_train_sampler(dataset)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        return self.odc_per_token_logps_and_entropies(super()._get_per_token_logps_and_entropies, model, input_ids,
+                                                      attention_mask, logits_to_keep, *args, **kwargs)  # fmt: skip
+
+
+def generate_and_score_completions(trainer, inputs) -> dict:
+    """TRL's generation and scoring of a batch of prompts (``GRPOTrainer._generate_and_score_completions``)."""
+    return trainer._generate_and_score_completions(inputs)
+
+
+def logged_metrics(trainer, mode: str = "train") -> dict:
+    """TRL's per-step metric lists of a trainer (``_metrics[mode]``), which odc_hf re-aggregates once per step."""
+    return trainer._metrics[mode]
+
+
+def total_train_tokens(trainer) -> int:
+    """``SFTTrainer._total_train_tokens``: the tokens trained so far, TRL's ``num_tokens`` metric."""
+    return trainer._total_train_tokens
+
+
+def set_total_train_tokens(trainer, tokens: int) -> None:
+    """Set ``SFTTrainer._total_train_tokens`` (every rank's tokens, once per step)."""
+    trainer._total_train_tokens = tokens
+
+
+VLLM_GENERATION_ATTRIBUTES = ("mode", "llm", "enable_sleep_mode")
+"""TRL 1.16 ``VLLMGeneration`` attributes odc_hf's weight sync reads or sets."""
+_SLEEP_FLAG = "_llm_weights_sleeping"  # TRL's generate() re-syncs while it is True (sleep level 2)
+
+
+def missing_generation_attributes(generation) -> list[str]:
+    """The names of :data:`VLLM_GENERATION_ATTRIBUTES` (and, under sleep mode, TRL's sleeping-weights flag) that
+    TRL's ``VLLMGeneration`` object lacks."""
+    missing = [name for name in VLLM_GENERATION_ATTRIBUTES if not hasattr(generation, name)]
+    if getattr(generation, "enable_sleep_mode", False) and not hasattr(generation, _SLEEP_FLAG):
+        missing.append(_SLEEP_FLAG)
+    return missing
+
+
+def mark_weights_awake(generation) -> None:
+    """Tell TRL's ``VLLMGeneration`` that its engine's weights are mapped again (its sleeping flag off)."""
+    setattr(generation, _SLEEP_FLAG, False)

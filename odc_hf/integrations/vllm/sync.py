@@ -28,14 +28,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from odc_hf.integrations.upstream.trl import mark_weights_awake, missing_generation_attributes
 from odc_hf.integrations.vllm.weights import LoraMerge, vllm_weights
 from odc_hf.version import TESTED
-
-# TRL 1.16 VLLMGeneration attributes this module reads or sets; checked by adopt_generation (tests/test_grpo_vllm.py)
-TRL_GENERATION_ATTRIBUTES = ("mode", "llm", "enable_sleep_mode")
-TRL_SLEEP_FLAG = (
-    "_llm_weights_sleeping"  # private: TRL's generate() re-syncs while it is True (sleep level 2)
-)
 
 
 def load_into(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
@@ -65,7 +60,7 @@ class ODCWeightSync:
 
             empty_cache()
             self.llm.wake_up(tags=["weights"])
-            setattr(self, TRL_SLEEP_FLAG, False)
+            mark_weights_awake(self)
         weights = vllm_weights(self.odc_source(), self.odc_lora)
         missing = [
             name
@@ -93,9 +88,7 @@ def adopt_generation(generation, source: Callable[[], Iterable[tuple[str, torch.
     """Give TRL's ``VLLMGeneration`` object (built by the trainer) ODC's ``sync_weights``: its class becomes a subclass
     with :class:`ODCWeightSync` first (everything else stays TRL's, including the generation TRL's own ``generate``
     runs and its internal re-syncs under sleep mode). Returns the object."""
-    missing = [name for name in TRL_GENERATION_ATTRIBUTES if not hasattr(generation, name)]
-    if getattr(generation, "enable_sleep_mode", False) and not hasattr(generation, TRL_SLEEP_FLAG):
-        missing.append(TRL_SLEEP_FLAG)
+    missing = missing_generation_attributes(generation)
     if missing:
         raise RuntimeError(
             f"TRL's VLLMGeneration lacks {missing}: odc_hf's vLLM weight sync was written for TRL 1.16"
