@@ -102,7 +102,7 @@ def test_every_odc_variable_the_library_reads_is_in_the_one_list():
 
 
 def test_a_misspelt_odc_key_in_an_fsdp_config_suggests_the_closest_valid_option():
-    from odc_hf.integrations.accelerate.launch_config import check_fsdp_config
+    from odc_hf.integrations.accelerate.refusals import check_fsdp_config
 
     with pytest.raises(ValueError) as caught:
         check_fsdp_config({"odc_balanse": "lb_micro"}, "fsdp_config in the accelerate config 'odc.yaml'")

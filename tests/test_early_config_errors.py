@@ -60,7 +60,7 @@ def test_odc_keys_in_an_fsdp_config_are_refused_with_where_they_go(tmp_path, mon
     from transformers import TrainingArguments
 
     from odc_hf import ODCTrainer
-    from odc_hf.integrations.accelerate.launch_config import check_fsdp_config
+    from odc_hf.integrations.accelerate.refusals import check_fsdp_config
     from odc_hf.testing.data import default_tokenized_dataset, default_tokenizer, tiny_qwen2_model
 
     check_fsdp_config({"version": 2, "reshard_after_forward": True}, "x")  # accelerate's own keys: fine
@@ -81,7 +81,7 @@ def test_odc_keys_in_the_launch_yaml_are_refused_on_every_rank(tmp_path):
     config = tmp_path / "my.yaml"
     config.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  odc_balance: lb_micro\n")
     rank = textwrap.dedent("""
-        from odc_hf.integrations.accelerate.accelerator import check_launch_before_accelerate
+        from odc_hf.integrations.accelerate.refusals import check_launch_before_accelerate
         check_launch_before_accelerate()
     """)
     launcher = textwrap.dedent(f"""

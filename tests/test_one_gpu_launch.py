@@ -87,7 +87,7 @@ def test_cpu_rank_with_one_gpu_visible_says_what_to_do(monkeypatch):
     # the ODC trainer and ODCAccelerator stop first, saying how to hide CUDA or use the GPU
     import torch
 
-    from odc_hf.integrations.accelerate.accelerator import check_cpu_ranks_have_no_gpu_to_pick as check
+    from odc_hf.integrations.accelerate.refusals import check_cpu_ranks_have_no_gpu_to_pick as check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -198,7 +198,7 @@ def test_resume_from_a_lora_checkpoint_repeats_the_steps(odc_run):
 def test_quantized_base_models_are_refused_clearly():
     from peft import get_peft_model
 
-    from odc_hf.integrations.accelerate.accelerator import check_not_quantized
+    from odc_hf.integrations.accelerate.refusals import check_not_quantized
     from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     model = tiny_qwen2_model(default_tokenizer())

@@ -15,7 +15,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from odc_hf.config import ODCConfig
-from odc_hf.integrations.accelerate.accelerator import check_supported
+from odc_hf.integrations.accelerate.refusals import check_supported
 from odc_hf.integrations.trainer.mixin import ODCMixin
 
 ROOT = Path(__file__).resolve().parents[1]

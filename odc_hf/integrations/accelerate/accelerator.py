@@ -25,7 +25,6 @@ real ODC path runs on laptops and in CI. HSDP (``ParallelismConfig(dp_replicate_
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from accelerate import Accelerator
@@ -35,8 +34,16 @@ from odc_hf.config import ODCConfig
 from odc_hf.fsdp import ODCHandle, install_odc, is_sharded, shard_model, sum_reduction
 from odc_hf.fsdp.sharding import gather_head_with_final_norm
 from odc_hf.integrations.accelerate import parallelism
-from odc_hf.integrations.accelerate.launch_config import check_launch_config
-from odc_hf.integrations.accelerate.plugin import ODCFSDPPlugin, as_odc_plugin, refuse_other_engines
+from odc_hf.integrations.accelerate.plugin import ODCFSDPPlugin, as_odc_plugin
+from odc_hf.integrations.accelerate.refusals import (
+    check_cpu_ranks_have_no_gpu_to_pick,
+    check_launch_before_accelerate,
+    check_not_quantized,
+    check_shared_gpu_state_dict,
+    check_supported,
+    check_world_matches_launch,
+    refuse_other_engines,
+)
 from odc_hf.integrations.launch import shared_gpu
 from odc_hf.version import warn_if_untested
 
@@ -54,101 +61,7 @@ def _remap_optimizer(
         group["params"] = [after[before[id(p)]] for p in group["params"]]
 
 
-def check_supported(accelerator: Accelerator) -> None:
-    """Refuse setups ODC cannot serve, with a message that says what to change."""
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    if accelerator.distributed_type == DistributedType.FSDP and getattr(plugin, "fsdp_version", 1) != 2:
-        raise ValueError(
-            "odc_hf needs FSDP2: set `fsdp_version: 2` in the accelerate config (FSDP1 is not supported)"
-        )
-    if accelerator.distributed_type in (
-        DistributedType.DEEPSPEED,
-        DistributedType.MEGATRON_LM,
-        DistributedType.XLA,
-    ):
-        raise ValueError(
-            f"odc_hf does not support {accelerator.distributed_type}; use FSDP2 (accelerate_configs/odc.yaml)"
-        )
-    if accelerator.distributed_type == DistributedType.MULTI_GPU:
-        raise ValueError(
-            "this accelerate config runs DDP on GPUs; ODC replaces FSDP2's collectives, so launch with an FSDP2 "
-            "config (accelerate_configs/odc.yaml), or build the accelerator as odc_hf.ODCAccelerator (its "
-            "ODCFSDPPlugin switches accelerate to FSDP2)"
-        )
     # The mesh (data parallel only, 1-D or HSDP's 2-D, shard groups within a node) was checked by adopt().
-
-
-def check_launch_before_accelerate(environ=None) -> None:
-    """Refuse, before accelerate builds its Accelerator, what accelerate would reject with a message that does not
-    mention ODC: an FSDP1 accelerate config (on a CPU-only host accelerate's FSDP1 plugin raises "There are currently
-    no available devices found" before odc_hf's own FSDP2 check could run)."""
-    environ = os.environ if environ is None else environ
-    check_launch_config(environ)  # odc_* keys in the launch YAML's fsdp_config, which accelerate drops silently
-    if environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes") and environ.get("FSDP_VERSION") == "1":
-        raise ValueError(
-            "odc_hf needs FSDP2: set `fsdp_version: 2` in the accelerate config's fsdp_config (found fsdp_version: 1; "
-            "FSDP1 is not supported). accelerate_configs/odc.yaml is a working GPU config; on a CPU-only host use "
-            "accelerate_configs/cpu.yaml with ACCELERATE_USE_CPU=true"
-        )
-
-
-def check_cpu_ranks_have_no_gpu_to_pick(use_cpu: bool = False, environ=None) -> None:
-    """Refuse CPU ranks that would pick a CUDA device that does not exist, before anything synchronises.
-
-    accelerate's ``wait_for_everyone`` calls ``torch.distributed.barrier(device_ids=[local_rank])`` on CPU ranks too,
-    and torch then places the barrier's tensor on ``cuda:<local_rank>`` whenever CUDA is visible: on a machine with
-    one GPU, rank 1 of a 2-process CPU run fails there with "CUDA error: invalid device ordinal" (inside TRL's dataset
-    preparation). ``python examples/sft.py`` hides CUDA from CPU ranks
-    (``odc_hf.integrations.launch.relaunch.plan_launch``); a launch of ``accelerate_configs/cpu.yaml`` by hand must do the
-    same."""
-    environ = os.environ if environ is None else environ
-    cpu = use_cpu or environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes")
-    local_rank = environ.get("LOCAL_RANK", "")
-    if not cpu or not local_rank.isdigit() or not torch.cuda.is_available():
-        return
-    gpus = torch.cuda.device_count()
-    if int(local_rank) >= gpus:
-        raise RuntimeError(
-            f"CPU rank {local_rank} sees {gpus} CUDA device(s): accelerate's barrier would place a tensor on "
-            f"cuda:{local_rank}, which does not exist ('invalid device ordinal'). Hide the GPUs from CPU ranks: "
-            "`CUDA_VISIBLE_DEVICES= ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/cpu.yaml "
-            "...` (python examples/sft.py does this itself), or train on your GPU with one process "
-            "(python examples/sft.py --num_processes 1; docs/quickstart.md, \"One GPU\")"
-        )
-
-
-def check_world_matches_launch(accelerator: Accelerator, environ=None) -> None:
-    """Refuse a launch that started several processes which each see a single-process run (e.g. ``accelerate launch
-    --config_file accelerate_configs/cpu.yaml`` on a CPU host without ``ACCELERATE_USE_CPU=true``): they would train
-    independent copies of the model into the same output directory."""
-    environ = os.environ if environ is None else environ
-    launched = environ.get("WORLD_SIZE", "")
-    if launched.isdigit() and int(launched) > 1 and accelerator.num_processes == 1:
-        raise RuntimeError(
-            f"{launched} processes were launched (WORLD_SIZE={launched}) but accelerate set up each one as a single "
-            "process, so they would train independently. On a CPU-only host set ACCELERATE_USE_CPU=true, e.g. "
-            "`ACCELERATE_USE_CPU=true accelerate launch --config_file accelerate_configs/cpu.yaml ...` (that config "
-            "takes torchrun's launcher and the variable makes every process a CPU rank); on GPUs launch with an "
-            "FSDP2 config (accelerate_configs/odc.yaml)"
-        )
-
-
-def check_not_quantized(model: torch.nn.Module) -> None:
-    """Refuse a quantized base model (QLoRA: bitsandbytes 4/8-bit, or any transformers quantizer) under ODC.
-
-    ODC publishes each unit's shards and gathers them by bytes; quantized weights carry their scales and layout in
-    tensor subclasses and quantizer state that the FSDP2 adapter does not know, and no test covers them. LoRA on an
-    unquantized (bf16) base is supported.
-    """
-    quantizer = getattr(model, "hf_quantizer", None)  # a PeftModel forwards the lookup to its base model
-    integer = sorted({str(p.dtype) for p in model.parameters() if not p.dtype.is_floating_point})
-    if quantizer is not None or integer:
-        found = type(quantizer).__name__ if quantizer is not None else f"{', '.join(integer)} parameters"
-        raise NotImplementedError(
-            f"odc_hf does not support quantized base models under ODC (QLoRA; found {found}): load the base model "
-            "unquantized (e.g. dtype=torch.bfloat16) and train LoRA on it, or set ODCConfig(enabled=False) to run "
-            "plain FSDP2 collectives"
-        )
 
 
 class ODCAccelerator(Accelerator):
@@ -259,23 +172,6 @@ def _belongs_to(model: torch.nn.Module, parameters: list) -> bool:
         ids = frozenset(id(p) for p in model.parameters())
         model._odc_param_ids = ids
     return all(id(p) in ids for p in parameters)
-
-
-def fsdp_state_dict_type(accelerator: Accelerator) -> str:
-    """How accelerate's FSDP plugin saves state dicts (``"StateDictType.SHARDED_STATE_DICT"``, ...), "" without one."""
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
-    return str(getattr(plugin, "state_dict_type", "") or "")
-
-
-def check_shared_gpu_state_dict(accelerator: Accelerator) -> None:
-    """Ranks sharing a GPU cannot write FULL_STATE_DICT checkpoints (accelerate gathers them with
-    ``full_tensor()``, a functional collective that crashes on gloo with CUDA tensors): refuse before training."""
-    if shared_gpu.active() and "FULL_STATE_DICT" in fsdp_state_dict_type(accelerator):
-        raise ValueError(
-            f"odc_hf: {shared_gpu.describe()}; FULL_STATE_DICT checkpoints are not supported there (accelerate "
-            "gathers them with DTensor.full_tensor(), which crashes on gloo with CUDA tensors): set "
-            "fsdp_state_dict_type: SHARDED_STATE_DICT (accelerate_configs/odc.yaml does)"
-        )
 
 
 def adopt(

@@ -106,16 +106,4 @@ def as_odc_plugin(
     return plugin
 
 
-def refuse_other_engines(deepspeed_plugin=None, megatron_lm_plugin=None) -> None:
-    """ODC replaces FSDP2's collectives: refuse DeepSpeed / Megatron-LM (asked for in code or by ``accelerate launch``)
-    before accelerate builds them, with a message saying what to use instead."""
-    for name, given, variable in (("DeepSpeed", deepspeed_plugin, "ACCELERATE_USE_DEEPSPEED"),
-                                  ("Megatron-LM", megatron_lm_plugin, "ACCELERATE_USE_MEGATRON_LM")):  # fmt: skip
-        if given is not None or os.environ.get(variable, "false").lower() == "true":
-            raise ValueError(
-                f"odc_hf replaces FSDP2's collectives and does not run under {name}: launch with an FSDP2 accelerate "
-                "config (accelerate_configs/odc.yaml) or none, and configure sharding with ODCFSDPPlugin"
-            )
-
-
-__all__ = ["ODCFSDPPlugin", "as_odc_plugin", "refuse_other_engines"]
+__all__ = ["ODCFSDPPlugin", "as_odc_plugin"]

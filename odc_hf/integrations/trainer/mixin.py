@@ -30,14 +30,15 @@ from odc_hf.balance import ODCBatchSampler
 from odc_hf.config import ODCConfig
 from odc_hf.fsdp import is_sharded
 from odc_hf.integrations.accelerate import parallelism
-from odc_hf.integrations.accelerate.accelerator import (
-    adopt,
+from odc_hf.integrations.accelerate.accelerator import adopt
+from odc_hf.integrations.accelerate.plugin import as_odc_plugin
+from odc_hf.integrations.accelerate.refusals import (
     check_cpu_ranks_have_no_gpu_to_pick,
+    check_fsdp_config,
     check_launch_before_accelerate,
     fsdp_state_dict_type,
+    refuse_other_engines,
 )
-from odc_hf.integrations.accelerate.launch_config import check_fsdp_config
-from odc_hf.integrations.accelerate.plugin import as_odc_plugin, refuse_other_engines
 from odc_hf.integrations.checkpoint.sharded import save_full_model
 from odc_hf.integrations.checkpoint.trainer import CheckpointPart
 from odc_hf.integrations.compute import activation_checkpointing, fused_head
