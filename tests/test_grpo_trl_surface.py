@@ -24,7 +24,7 @@ def test_private_grpo_surfaces_exist_on_the_installed_trl():
     assert 'completion_mask * inputs["tool_mask"]' in source
     assert 'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes' in source
     assert 'self.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]' in source
-    assert "self.accelerator.reduce(" in source  # kept local by _LocalGathers inside the bundle loop
+    assert "self.accelerator.reduce(" in source  # kept local by LocalGathers inside the bundle loop
     init = inspect.getsource(GRPOTrainer.__init__)
     for attr in ("self._metrics", "self.loss_type", "self.beta", "self.ref_model", "self.max_completion_length",
                  "self.num_iterations"):  # fmt: skip

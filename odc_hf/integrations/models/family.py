@@ -167,32 +167,3 @@ def flash_attention_4_gap(needs: FamilyNeeds, arguments: frozenset[str] | None) 
     return [v for v in needs.variants() if arguments is None or FLASH_ATTENTION_4_ARGUMENTS[v] not in arguments]
 
 
-def weigh_router_loss(trainer, local_microbatches: int) -> float | None:
-    """A Mixture-of-Experts router loss, weighed as TRL weighs it in one process on the same microbatches.
-
-    TRL's SFT and GRPO trainers add ``router_aux_loss_coef * aux_loss / current_gradient_accumulation_steps`` to each
-    microbatch's loss, and DDP averages over ranks: a step's router loss is the coefficient times the mean of its
-    microbatches' router losses. Under ODC a rank runs its own number of microbatches and gradients are summed over
-    ranks, so for the bundle loop the trainer's coefficient becomes ``coef / M``, M the step's microbatches on all
-    ranks (one all-reduce, MoE runs only). Returns the coefficient to put back afterwards (None: nothing changed).
-    transformers' ``Trainer`` adds the model's own router loss to every microbatch's loss whole (not divided by the
-    accumulation steps); ``ODCTrainer`` keeps that, which is what it computes in one process on the same microbatches.
-    """
-    if not getattr(trainer, "aux_loss_enabled", False):  # TRL's switch (SFTTrainer, GRPOTrainer)
-        return None
-    coef, accelerator = trainer.router_aux_loss_coef, trainer.accelerator
-    count = torch.tensor(float(local_microbatches), device=accelerator.device)
-    if accelerator.num_processes > 1:
-        count = accelerator.reduce(count, reduction="sum")
-    trainer.router_aux_loss_coef = coef / max(count.item(), 1.0)
-    return coef
-
-
-def every_rank_values(accelerator, values: list[float]) -> list[float]:
-    """The per-microbatch values of a step on every rank (TRL appends one per microbatch, e.g. ``aux_loss``): one
-    object gather, in rank order."""
-    if accelerator.num_processes < 2:
-        return list(values)
-    from accelerate.utils import gather_object
-
-    return [float(x) for part in gather_object([list(values)]) for x in part]

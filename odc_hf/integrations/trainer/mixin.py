@@ -46,7 +46,6 @@ from odc_hf.integrations.compute.attention import AttentionChoice, choose_attent
 from odc_hf.integrations.compute.cost_model import cost_model
 from odc_hf.integrations.launch import cuda_allocator, shared_gpu
 from odc_hf.integrations.models import definition_check, family
-from odc_hf.integrations.models.family import weigh_router_loss
 from odc_hf.integrations.trainer.arguments import odc_config_from_args
 from odc_hf.integrations.trainer.bundle import (
     MASK_KEYS,
@@ -56,7 +55,8 @@ from odc_hf.integrations.trainer.bundle import (
     TrainerBundleCollator,
 )
 from odc_hf.integrations.trainer.failure_guard import failure_guard
-from odc_hf.integrations.trainer.observability import LocalGathers, ObservabilityPart, one_progress_bar
+from odc_hf.integrations.trainer.metrics import LocalGathers, weigh_router_loss
+from odc_hf.integrations.trainer.observability import ObservabilityPart, one_progress_bar
 from odc_hf.integrations.trainer.stats import MicrobatchClock, RunStats, document_lengths
 from odc_hf.integrations.trainer.train_data import (
     check_minibatch_fits,

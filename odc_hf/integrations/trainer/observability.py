@@ -6,7 +6,7 @@ statistics (busy and waiting time, microbatches, tokens) and loss are gathered o
 the logs carry a window of them (:mod:`odc_hf.integrations.trainer.stats`). At the end of training the microbatch timings
 are written with a cost model fitted to them (``odc_microbatch_timings.json``, to pass as ``cost_model`` in the
 next run), and the main process keeps the run's summary (``trainer.odc_summary``) and draws its timeline. Inside
-a step's microbatch loop the metric collectives of the libraries below stay local (:class:`LocalGathers`): the
+a step's microbatch loop the metric collectives of the libraries below stay local (:class:`~odc_hf.integrations.trainer.metrics.LocalGathers`): the
 trainers aggregate their metrics once per step.
 """
 
@@ -43,29 +43,6 @@ def one_progress_bar(training_args) -> None:
 
     datasets.disable_progress_bars()
     transformers_logging.disable_progress_bar()
-
-
-class LocalGathers:
-    """Stands in for the Accelerator inside the bundle loop: metric gathers stay local.
-
-    Libraries (TRL's ``compute_loss``) gather or reduce metrics once per microbatch; with uneven microbatch counts those
-    collectives would pair up different microbatches or deadlock. Inside the loop they return the local value;
-    the trainer aggregates once per step instead. Everything else goes to the real Accelerator.
-    """
-
-    def __init__(self, accelerator):
-        self._accelerator = accelerator
-
-    def gather_for_metrics(self, tensor, use_gather_object=False):
-        return tensor.reshape(1) if isinstance(tensor, torch.Tensor) and tensor.dim() == 0 else tensor
-
-    gather = gather_for_metrics
-
-    def reduce(self, tensor, reduction="sum", scale=1.0):  # TRL GRPO's global_masked_mean: local sums
-        return tensor * scale if scale != 1.0 else tensor
-
-    def __getattr__(self, name):
-        return getattr(self._accelerator, name)
 
 
 class ObservabilityPart:

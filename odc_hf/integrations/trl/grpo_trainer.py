@@ -51,7 +51,7 @@ from odc_hf.balance.padded import plan_padded
 from odc_hf.balance.planner import PLANNERS
 from odc_hf.fsdp import install_odc, is_sharded, shard_model
 from odc_hf.integrations.compute.attention import prepare_attention
-from odc_hf.integrations.models.family import every_rank_values
+from odc_hf.integrations.trainer.metrics import every_rank_values
 from odc_hf.integrations.trainer.mixin import ODCMixin
 from odc_hf.integrations.trainer.train_data import padded_worst_case, resolve_max_tokens
 from odc_hf.integrations.trl.grpo_batch import (

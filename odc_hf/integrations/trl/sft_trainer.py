@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from trl import SFTTrainer
 
-from odc_hf.integrations.models.family import every_rank_values
+from odc_hf.integrations.trainer.metrics import every_rank_values
 from odc_hf.integrations.trainer.mixin import ODCMixin
 from odc_hf.integrations.upstream.trl import (
     TESTED_TRL,

@@ -15,7 +15,7 @@ TESTED_TRL = TESTED["trl"]
 
 SFT_PRIVATE_ATTRIBUTES = ("_metrics", "_total_train_tokens", "aux_loss_enabled", "router_aux_loss_coef")
 """What ``ODCSFTTrainer`` reads of TRL's ``SFTTrainer``: its metrics, re-aggregated once per step, and its MoE router
-loss switch and coefficient (weighed per step: ``odc_hf.integrations.models.family.weigh_router_loss``)."""
+loss switch and coefficient (weighed per step: ``odc_hf.integrations.trainer.metrics.weigh_router_loss``)."""
 GRPO_PRIVATE_METHODS = ("_generate_and_score_completions", "_get_train_sampler", "compute_loss", "_compute_loss",
                         "_get_per_token_logps_and_entropies")
 """TRL ``GRPOTrainer`` methods ``ODCGRPOTrainer`` calls or overrides: generation and scoring, the sampler (one
