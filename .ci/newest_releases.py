@@ -23,9 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "transformers", "accelerate", "trl", "peft", "datasets", "tokenizers", "huggingface-hub", "vllm")
 GROUPS = {  # test group -> test files (each group runs in one pytest process)
-    "surface": ["tests/test_transformers_surface.py", "tests/test_upstream_signatures.py", "tests/test_grpo_trl_surface.py", "tests/test_fsdp_internals.py",
-                "tests/test_version_policy.py", "tests/test_patch_trl.py"],
-    "trainer parity": ["tests/test_trainer_sft_parity.py", "tests/test_grpo_parity.py", "tests/test_model_zoo.py"],
+    "surface": ["tests/project/test_transformers_surface.py", "tests/project/test_upstream_signatures.py",
+                "tests/grpo/test_grpo_trl_surface.py", "tests/fsdp/test_fsdp_internals.py",
+                "tests/project/test_version_policy.py", "tests/recipes/test_patch_trl.py"],
+    "trainer parity": ["tests/trainers/test_trainer_sft_parity.py", "tests/grpo/test_grpo_parity.py",
+                       "tests/models/test_model_zoo.py"],
 }
 NOT_INSTALLED = {"torch": "kept at 2.13.0 (PyPI's newer builds are CUDA)", "vllm": "not run (pins a CUDA torch)"}
 
@@ -61,7 +63,7 @@ def installed(python: str) -> dict[str, str]:
 def run_group(python: str, files: list[str], timeout: float) -> str:
     start = time.monotonic()
     # this lane installs newer releases than the lock on purpose: the lock-equality check does not apply here
-    deselect = ["--deselect", "tests/test_version_policy.py::test_the_installed_versions_are_the_lock"]
+    deselect = ["--deselect", "tests/project/test_version_policy.py::test_the_installed_versions_are_the_lock"]
     out = sh([python, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *deselect, *files],
              timeout=timeout)
     seconds = time.monotonic() - start

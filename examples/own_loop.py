@@ -6,7 +6,7 @@
 ``ODCFSDPPlugin`` holds FSDP2's options (accelerate's ``FullyShardedDataParallelPlugin`` fields) and ODC's
 (``odc_config``); ``ODCAccelerator(fsdp_plugin=...)`` shards the model and installs ODC in ``prepare()``. The loop runs
 this rank's microbatches of each global minibatch (ranks run different numbers of them, maybe none), then the one
-synchronisation per minibatch, then the optimizer step. ``tests/test_fsdp_plugin.py`` runs :func:`train` on 2 CPU
+synchronisation per minibatch, then the optimizer step. ``tests/trainers/test_fsdp_plugin.py`` runs :func:`train` on 2 CPU
 ranks and checks every step against a single process on the whole minibatch.
 """
 

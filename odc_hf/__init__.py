@@ -9,7 +9,7 @@ from odc_hf.config import ODCConfig
 __version__ = "0.1.0"
 
 # The one lazy mechanism of odc_hf's classes: importing any odc_hf module runs this file first, and the planning
-# package (odc_hf.balance) must import without transformers, accelerate or TRL (tests/test_layering.py); the trainers
+# package (odc_hf.balance) must import without transformers, accelerate or TRL (tests/project/test_layering.py); the trainers
 # and accelerators below import them, so they load on first use.
 _LAZY = {
     "install_odc": "odc_hf.fsdp",

@@ -44,7 +44,7 @@ class ODCConfig:
 
     Each field's ``help`` (its metadata) is its documentation, written once: the trainer arguments' ``--odc_<field>``
     help (:mod:`odc_hf.integrations.trainer.arguments`) and the table of docs/configuration.md (checked against it by
-    ``tests/test_config_docs.py``) are made from it.
+    ``tests/project/test_config_docs.py``) are made from it.
 
     The integer knobs (``max_tokens_per_microbatch``, ``attention_shape_bucket``, ``global_batch_size``,
     ``plan_ahead``) take an int, a whole float (``2048.0``, stored as 2048) or a string such as ``"2048"`` or ``"32k"``

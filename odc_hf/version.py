@@ -1,7 +1,7 @@
 """The version policy of odc_hf: the releases it is tested on, and what it does on others.
 
 odc_hf is tested on the minors in :data:`TESTED` (the GPU image: torch 2.11, transformers 5.17, accelerate 1.15;
-the CPU suite installs exactly ``tests/constraints.txt``, whose versions ``tests/test_version_policy.py`` checks are
+the CPU suite installs exactly ``tests/constraints.txt``, whose versions ``tests/project/test_version_policy.py`` checks are
 listed here). On another minor of one of these packages odc_hf **warns once**, on rank 0, naming the tested
 versions (:func:`warn_if_untested`, an :class:`UntestedVersionWarning`), and goes on. It **refuses** only where a
 name it needs is missing from the installed release, and then names it: the private names odc_hf reads are listed

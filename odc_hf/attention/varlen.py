@@ -13,7 +13,7 @@ planned (see ``benchmarks/results/sft_main_job_*``).
 boundaries the padding-free collators provide, without building a mask: one causal SDPA call per document
 (the flash kernel on GPUs). ``VarlenAttention(varlen_kernel=True)`` switches CUDA to torch's
 ``torch.nn.attention.varlen.varlen_attn`` (one flash-varlen launch per layer for the whole row). Measured on one
-H200 (torch 2.11, Qwen2.5-1.5B shape, fwd+bwd of a 28,672-token row, ``benchmarks/attention_check.py``): one
+H200 (torch 2.11, Qwen2.5-1.5B shape, fwd+bwd of a 28,672-token row, ``benchmarks/attention/check.py``): one
 document 1.38 s on every path; 2 documents 1.13 s per-document SDPA, 1.35 s varlen kernel, 2.96 s transformers'
 ``sdpa`` with its block-diagonal mask; 4 documents 0.99 / 1.08 / 2.96 s. Hence per-document SDPA is the default. It is registered through transformers' public ``AttentionInterface``::
 

@@ -3,7 +3,7 @@ the batch sampler, and the padded (GRPO) layout.
 
 Data flow: ``ODCBatchSampler`` (plans each global minibatch with a cost model) yields this rank's bundle of
 microbatches as dataset indices; ``odc_hf.integrations.trainer.bundle`` fetches and packs them. This package imports neither
-transformers, TRL nor torch.distributed (``tests/test_layering.py`` holds it to that). See docs/balancing.md.
+transformers, TRL nor torch.distributed (``tests/project/test_layering.py`` holds it to that). See docs/balancing.md.
 """
 
 from .cost import CostModel, FlopCostModel, QuadraticCostModel, TokenCostModel

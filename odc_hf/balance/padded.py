@@ -3,7 +3,7 @@
 GRPO trains on padded rows (prompts left-padded, completions right-padded), so a microbatch of r rows costs r times
 its widest row, not the sum of its samples. :func:`plan_padded` splits a generation batch over ranks by cost and
 packs each rank's share into the fewest padded microbatches within the token budget (:func:`pack_padded`); the
-trainer (``odc_hf.integrations.trl.grpo_trainer``) and the benchmark (``benchmarks/grpo_e2e.py``) both plan with it. Pure
+trainer (``odc_hf.integrations.trl.grpo_trainer``) and the benchmark (``benchmarks/grpo/e2e.py``) both plan with it. Pure
 functions of the lengths: every rank computes the same plan alone.
 """
 

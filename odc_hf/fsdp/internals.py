@@ -3,7 +3,7 @@
 FSDP2's public hooks (``set_custom_all_gather`` / ``set_custom_reduce_scatter``) hand us flat buffers; to know
 what is in them we need each unit's layout: the ``FSDPParam`` list of the module's param group, in that order,
 with each parameter's padded shard size. Those live on private objects. Everything we touch is listed here and
-checked by ``tests/test_fsdp_internals.py`` against the installed torch (2.11 on the GPU image, 2.13 on CPU).
+checked by ``tests/fsdp/test_fsdp_internals.py`` against the installed torch (2.11 on the GPU image, 2.13 on CPU).
 """
 
 from __future__ import annotations

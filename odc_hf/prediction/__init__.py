@@ -1,5 +1,5 @@
 """Prediction: what a training run would cost, before it runs. Nothing here runs in training (the trainers import
-none of it, ``tests/test_layering.py`` checks), and nothing here imports the trainers.
+none of it, ``tests/project/test_layering.py`` checks), and nothing here imports the trainers.
 
 - :mod:`.workloads`: seeded sample-length generators of the workloads the ODC paper evaluates, Qwen2.5 shapes;
 - :mod:`.calibrate`: times a model's forward + backward on the target device and fits a cost model in seconds;

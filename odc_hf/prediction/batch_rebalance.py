@@ -7,11 +7,11 @@ samples into ``W·grad_accum`` groups of consecutive lengths (longest first) who
 slot, so every rank runs ``grad_accum`` microbatches (lockstep, as FSDP2 needs). This module runs that code (it
 does not re-implement it) on one global batch and returns ``plan[rank][slot]`` = sample positions, which
 :mod:`.lockstep` prices with odc_hf's cost models. The balancing core stays free of transformers
-(``tests/test_layering.py``); the estimate, the simulators and the benchmarks import this module lazily.
+(``tests/project/test_layering.py``); the estimate, the simulators and the benchmarks import this module lazily.
 
 The sampler yields one rank's microbatches; all ranks' come from its ``_assign`` (one call, where iterating the
 public sampler once per rank would repeat the whole search ``W`` times). ``_assign`` is private: it is used here
-only, checked to exist, and ``tests/test_batch_rebalance.py`` checks it against the public iteration of every rank.
+only, checked to exist, and ``tests/prediction/test_batch_rebalance.py`` checks it against the public iteration of every rank.
 """
 
 from __future__ import annotations

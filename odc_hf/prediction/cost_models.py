@@ -143,7 +143,7 @@ def load_cost_model(spec: str, shape: ModelShape) -> tuple[QuadraticCostModel, s
         raise ValueError(f"{spec}: not valid JSON ({err})") from None
     model = calibration_from_dict(data, where=spec)
     if isinstance(data, dict) and isinstance(data.get("model_shape"), dict):
-        # a calibration that names its model (benchmarks/calibration.py): scaled by FLOPs to other shapes, as the
+        # a calibration that names its model (benchmarks/planning/calibration.py): scaled by FLOPs to other shapes, as the
         # shipped one is
         reference = ModelShape(**data["model_shape"])
         if (reference.num_matmul_params, reference.num_layers, reference.attn_dim) != (

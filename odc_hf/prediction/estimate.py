@@ -5,7 +5,7 @@ inputs :mod:`.estimate_inputs`.
 """
 
 # The planners and transformers are imported where they are used, so that ``--help`` and bad arguments answer
-# in well under a second (tests/test_estimate.py times it).
+# in well under a second (tests/prediction/test_estimate.py times it).
 from __future__ import annotations
 
 __all__ = ["MIN_VERDICT_STEPS", "THRESHOLD", "estimate", "format_report", "verdict"]

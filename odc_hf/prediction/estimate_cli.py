@@ -14,7 +14,7 @@ See docs/multi_node.md ("Estimate it for your data") for the model behind the nu
 """
 
 # torch, transformers and the planners are imported where they are used, so that ``--help`` and bad arguments
-# answer in well under a second (tests/test_estimate.py times it).
+# answer in well under a second (tests/prediction/test_estimate.py times it).
 from __future__ import annotations
 
 import argparse

@@ -14,7 +14,7 @@ Per step (``k`` = LB-Micro's microbatch index, ``c_k`` = its slowest rank's cost
   (``lockstep=``: transformers' ``batch_rebalance`` through :mod:`.batch_rebalance`), its microbatches priced
   padded or packed (:mod:`.lockstep`)
 - ``bound`` = the planner's makespan lower bound + the smallest step overhead of any schedule: perfect balance,
-  free communication. It never exceeds any schedule's step (``tests/test_prediction_bound_property.py``)
+  free communication. It never exceeds any schedule's step (``tests/prediction/test_prediction_bound_property.py``)
 
 On one node the three reduce to ODC vs FSDP2 of the single-node simulator plus the step overheads. Cost
 models are in seconds: :func:`~odc_hf.prediction.cost_models.load_cost_model` reads the H200 calibration shipped

@@ -7,7 +7,7 @@ targets. :func:`qwen2_5_tokenizer` turns those ranks into BPE merges (transforme
 transformers' own ``Qwen2Tokenizer`` from them (Qwen2's pre-tokenizer regex, NFC, byte-level), adds Qwen2.5-Instruct's
 special tokens with their ids (``<|endoftext|>`` 151643, ``<|im_start|>`` 151644, ``<|im_end|>`` 151645) and TRL's
 Qwen2.5 chat template, and caches the result under ``~/.cache/odc_hf`` (keyed by the ranks file's hash; converting
-takes a few seconds, loading well under one). ``tests/test_pretrained_tokenizer.py`` checks it against the package's
+takes a few seconds, loading well under one). ``tests/recipes/test_pretrained_tokenizer.py`` checks it against the package's
 own tiktoken encoder on real text.
 
 The embedded tokenizer of :mod:`odc_hf.testing.data` stays the default of the examples (no extra package needed).

@@ -73,7 +73,7 @@ def _max_ctas() -> int | None:
     """``ODC_ACCUMULATE_MAX_CTAS``: cap on the accumulate kernel's grid (unset: one CTA per block of the buffer).
 
     Environment only, on purpose: a kernel-tuning knob of this transport (the transport layer knows nothing of
-    ``ODCConfig``), read at each launch so a probe can compare caps in one process (benchmarks/microbatch_probe.py).
+    ``ODCConfig``), read at each launch so a probe can compare caps in one process (benchmarks/sft/microbatch_probe.py).
     Measured there on 2xH200: a 32-CTA cap gave no gain, so the default is uncapped; see docs/configuration.md."""
     value = os.environ.get("ODC_ACCUMULATE_MAX_CTAS", "").strip()
     if not value:

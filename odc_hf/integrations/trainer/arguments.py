@@ -3,7 +3,7 @@
 
 They are the knobs of :class:`odc_hf.ODCConfig`, one ``odc_<field>`` per field, written out in :class:`ODCArguments`
 so that argument parsers (``HfArgumentParser`` / ``TrlParser``: ``--odc_balance`` ...), ``--help`` and IDEs show them;
-each takes its help from ODCConfig's field (:func:`odc_field`), and ``tests/test_trainer_arguments.py`` keeps the two
+each takes its help from ODCConfig's field (:func:`odc_field`), and ``tests/trainers/test_trainer_arguments.py`` keeps the two
 in step. A field left at ``None`` (not set) falls back to the
 ``ODC_*`` environment variable, then to ODCConfig's default; an explicit ``odc_config=`` passed to the trainer wins
 over all of them.

@@ -20,7 +20,7 @@ on the device with the batch) and ``max_length_q/k`` (Python ints) straight to t
 there; from ``position_ids`` alone it would re-derive them in every layer (``_is_packed_sequence`` reads the positions
 back to the host, ``prepare_fa_kwargs_from_position_ids`` runs a ``nonzero``: host syncs per layer). ``sdpa_varlen``
 reads ``cu_seq_lens_q`` once per forward (cached across layers). ``position_ids`` stay for the rotary embedding and
-transformers' mask code (one read per forward, ``find_packed_sequence_indices``). ``tests/test_attention_boundaries.py``
+transformers' mask code (one read per forward, ``find_packed_sequence_indices``). ``tests/attention/test_attention_boundaries.py``
 checks what every layer receives. What it does not do, and this module adds: folding ``completion_mask`` /
 ``assistant_masks`` into the labels (TRL does that during dataset preparation), truncation to the
 token budget, empty dummy microbatches, and ``num_label_tokens``.

@@ -18,7 +18,7 @@ own ``_compute_loss`` once per slice present in it, on just those rows with TRL'
 entropies of the training forward (no second forward); a :class:`MetricRecorder` in place of the accelerator
 records the sum/count pairs and per-sequence values TRL would have reduced and gathered. :class:`SliceMetrics`
 adds them up per slice, and once per step one gather across ranks gives TRL's per-slice values, appended in slice
-order as TRL appends them. ``tests/test_grpo_parity.py`` compares every logged metric with TRL's own run.
+order as TRL appends them. ``tests/grpo/test_grpo_parity.py`` compares every logged metric with TRL's own run.
 """
 
 from __future__ import annotations

@@ -26,13 +26,13 @@ completions sets the pace of every layer of every microbatch. Here, per generati
    model's (and old-policy) log-probs of the generation phase are taken from packed rows the same way.
 
 TRL private surfaces used, all reached through :mod:`odc_hf.integrations.upstream.trl` (the one TRL version policy,
-which lists them and checks them at construction; ``tests/test_grpo_trl_surface.py``):
+which lists them and checks them at construction; ``tests/grpo/test_grpo_trl_surface.py``):
 ``_generate_and_score_completions`` (generation + scoring), ``_get_train_sampler`` (overridden: one dataloader
 batch per optimizer step), ``_metrics`` (per-step aggregation), ``_get_per_token_logps_and_entropies`` and
 ``_compute_loss`` (the metrics' recomputation per slice), and the key names of the batch dict that
 ``_compute_loss`` reads (``tool_mask`` multiplies the loss mask, ``num_items_in_batch`` normalises ``dapo``). With
 vLLM, ``VLLMGeneration``'s sleep flag and the ``LLM`` name its engine is built through
-(:mod:`odc_hf.integrations.vllm.sync`, ``tests/test_grpo_vllm.py``).
+(:mod:`odc_hf.integrations.vllm.sync`, ``tests/grpo/test_grpo_vllm.py``).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class _GRPOPart:
     def _odc_packed_layout(self) -> bool:
         """``ODCConfig.grpo_layout`` resolved. ``auto`` packs under a varlen attention that gains from it: the flash
         implementations (FlashAttention-4, one H200, a GRPO-like group of 64 sequences: packed rows 1.19-1.22x the
-        padded layout in three runs, 2.4x TRL's; benchmarks/results/attention_compare_h200x1_2026-12-02_grpo.md),
+        padded layout in three runs, 2.4x TRL's; benchmarks/results/attention/attention_compare_h200x1_2026-12-02_grpo.md),
         and sdpa_varlen off CUDA. It keeps the padded rows under sdpa_varlen on CUDA (per-document SDPA calls: 2.71 s packed vs 2.31 s padded
         there) and under dense-mask attentions (``sdpa``, ``eager``: a packed row would cost full-row attention)."""
         layout = self.odc_config.grpo_layout
@@ -200,7 +200,7 @@ class _GRPOPart:
         transformers turns ``synced_gpus`` on for every FSDP2 model (``fully_shard`` marks its modules
         ``_is_fsdp_managed_module``, which ``generate()`` reads): each rank then all-reduces a "finished" flag after
         every token and keeps stepping until the slowest rank is done, the lockstep ODC removes (a collective per token,
-        found by tests/test_collective_audit.py). Under ODC a forward gathers one-sidedly and needs no peer, so each rank
+        found by tests/fsdp/test_collective_audit.py). Under ODC a forward gathers one-sidedly and needs no peer, so each rank
         stops at its own length. The model object TRL generates with gets that default for the call, then loses it.
         With PEFT, generation also enters below FSDP's root unit (see the comments below).
         """

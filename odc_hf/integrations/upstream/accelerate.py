@@ -16,7 +16,7 @@ create that state with the CUDA default. :func:`align_backend` puts the group's 
 every accelerator odc_hf uses passes through it (``adopt``). Where the training arguments created the state before
 odc_hf could set ``LOCAL_RANK`` to the rank's GPU, :func:`align_local_process_index` does the same for accelerate's
 local process index. Neither field is documented as settable, so this module is the one place that writes them;
-``tests/test_shared_gpu_backend.py`` checks that accelerate's gathers then work on gloo for 2-D tensors of every
+``tests/trainers/test_shared_gpu_backend.py`` checks that accelerate's gathers then work on gloo for 2-D tensors of every
 dtype gloo carries, on the tested accelerate minors (``odc_hf.version.TESTED``; another one warns once).
 """
 

@@ -5,7 +5,7 @@ were tested on.
 odc_hf runs on transformers >= 5.17; it is tested on :data:`TESTED_TRANSFORMERS` (``odc_hf.version.TESTED``: 5.17 on
 the GPU image, the locked version on CPU) and warns once on another minor (:func:`odc_hf.version.warn_if_untested`).
 A private name can disappear or change meaning in any release. A name that disappears is found at start-up
-(:func:`check_trainer`, which refuses naming it) or by ``tests/test_transformers_surface.py``, which checks every name
+(:func:`check_trainer`, which refuses naming it) or by ``tests/project/test_transformers_surface.py``, which checks every name
 listed here against the installed transformers and that this list covers every private Trainer method the ODC
 trainers override. Add a version to ``odc_hf.version.TESTED`` once that test and the parity tests pass on it.
 

@@ -9,8 +9,8 @@ from odc_hf.version import TESTED, warn_if_untested
 # (SFT: ``_metrics`` and ``_total_train_tokens``, re-aggregated once per step; GRPO: ``_generate_and_score_completions``,
 # ``_get_train_sampler``, ``_metrics`` and the batch keys and loss normalisers of ``_compute_loss``). A name that
 # disappears is refused by name; one whose meaning changes cannot be detected at run time, so another minor warns
-# once, naming the tested ones. Add a minor to odc_hf.version.TESTED once tests/test_grpo_trl_surface.py and the
-# parity tests (tests/test_*parity.py, tests/test_model_zoo.py) pass on it.
+# once, naming the tested ones. Add a minor to odc_hf.version.TESTED once tests/grpo/test_grpo_trl_surface.py and the
+# parity tests (tests/trainers/test_trainer_sft_parity.py, tests/grpo/test_grpo_parity.py, tests/models/test_model_zoo.py) pass on it.
 TESTED_TRL = TESTED["trl"]
 
 SFT_PRIVATE_ATTRIBUTES = ("_metrics", "_total_train_tokens", "aux_loss_enabled", "router_aux_loss_coef")

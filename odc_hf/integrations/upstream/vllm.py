@@ -5,7 +5,7 @@ odc_hf pushes its weights into the colocated engine through vLLM's ``LLM.apply_m
 in :data:`TESTED_VLLM` (``odc_hf.version.TESTED``). vllm 0.26.0 is the last release that pins torch 2.11 (with CUDA 13
 extras); 0.28 and later pin torch 2.13. Another minor warns once, naming the tested ones (odc_hf's version policy:
 ``odc_hf.version``); a missing ``LLM.apply_model`` is refused by name. Add a minor to ``odc_hf.version.TESTED`` once
-the GPU tests (``tests/test_grpo_vllm_gpu.py``) pass on it.
+the GPU tests (``tests/gpu/test_grpo_vllm_gpu.py``) pass on it.
 
 The environment vLLM needs beside a trainer, set where the user has not set it (their value is kept), before TRL
 builds the engine (:func:`prefer_vllm_environment`):

@@ -1,0 +1,1 @@
+"""Attention kernels and plans: exactness checks, kernel comparisons, the model-family sweep."""

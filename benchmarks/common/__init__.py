@@ -1,0 +1,1 @@
+"""What the benchmarks share: the report writer (environment, commit, tables) and the SFT benchmark setup."""

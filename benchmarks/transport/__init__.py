@@ -1,0 +1,1 @@
+"""Transports: primitive latencies and ranks sharing one GPU."""

@@ -1,0 +1,228 @@
+"""odc_hf's per-document attention applies each family's attention arguments (odc_hf/attention/variants.py): a packed
+row through ``sdpa_varlen`` / ``eager_varlen`` gives the logits and gradients of each document run alone through the
+model's own eager attention, with documents longer than the window split into several query blocks; an argument it
+does not know is refused by name, and the arguments every model's forward passes down are not refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+import odc_hf.attention.varlen
+from odc_hf.attention import variants
+
+SIZE = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)  # fmt: skip
+TWO = ["sliding_attention", "full_attention"]
+CONFIGS = {
+    "mistral_window": lambda: transformers.MistralConfig(**SIZE, sliding_window=12),
+    "gemma2_window_softcap": lambda: transformers.Gemma2Config(**SIZE, head_dim=8, query_pre_attn_scalar=8,
+                                                              sliding_window=12, attn_logit_softcapping=0.05,
+                                                              layer_types=TWO),  # fmt: skip
+    "gpt_oss_window_sinks": lambda: transformers.GptOssConfig(**SIZE, head_dim=8, sliding_window=12, layer_types=TWO,
+                                                              num_local_experts=4, num_experts_per_tok=2),  # fmt: skip
+}
+LENGTHS = (45, 7, 60, 12)  # two documents of several windows, one shorter than a window, one exactly one
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), attn_implementation="eager").float()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_()  # unit-scale sinks: they take a real share of each row
+    return model
+
+
+def _logits_and_grads(model, forward):
+    model.zero_grad()
+    logits = forward()
+    logits.pow(2).mean().backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("block", [variants.BLOCK, 8, 13, 17])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_packed_row_equals_each_document_alone_through_the_models_own_attention(name, block, monkeypatch):
+    # 8 (raised to the window, 12), 13 and 17: documents longer than the window run in several query blocks; 13 and 17
+    # put block edges where no window edge is, so a window off by one at a block edge shows
+    monkeypatch.setattr(variants, "BLOCK", block)
+    model = _model(name)
+    docs = [torch.randint(1, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in LENGTHS]
+    reference = _logits_and_grads(model, lambda: torch.cat([model(input_ids=d[None], use_cache=False).logits[0]
+                                                           for d in docs]))  # fmt: skip
+    model.set_attn_implementation("sdpa_varlen" if model._supports_sdpa else "eager_varlen")
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    packed = dict(input_ids=torch.cat(docs)[None], position_ids=torch.cat([torch.arange(n) for n in LENGTHS])[None],
+                  cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENGTHS), max_length_k=max(LENGTHS),
+                  use_cache=False)  # fmt: skip
+    ours = _logits_and_grads(model, lambda: model(**packed).logits[0])
+    # fp32, the same terms in another order: measured <= 4.7e-7 (logits) and 7.3e-7 (gradients) relative to the
+    # largest; a dropped window, soft-cap or sink moves them by > 1e-3 (tests/models/test_model_zoo.py's controls)
+    torch.testing.assert_close(ours[0], reference[0], rtol=0, atol=1e-5 * float(reference[0].abs().max()))
+    for a, b in zip(ours[1], reference[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
+    # broken twins: the same row without its boundaries (documents attend to each other), and with the window dropped
+    bound = 1e-5 * float(reference[0].abs().max())
+    unbounded = {k: v for k, v in packed.items() if not k.startswith(("cu_seq", "max_length"))}
+    assert float((model(**unbounded).logits[0].detach() - reference[0]).abs().max()) > 100 * bound
+    real = variants.take_variant
+    monkeypatch.setattr(variants, "take_variant", lambda *a, **k: dataclasses.replace(real(*a, **k), window=None))
+    monkeypatch.setattr(odc_hf.attention.varlen, "take_variant", variants.take_variant)
+    assert float((model(**packed).logits[0].detach() - reference[0]).abs().max()) > 100 * bound
+
+
+def test_an_attention_argument_odc_hf_does_not_apply_is_refused_by_name():
+    module = torch.nn.Module()
+    with pytest.raises(variants.UnsupportedAttentionArgument, match=r"\['chunk_size'\] from Module"):
+        variants.take_variant(module, {"scaling": 0.5, "chunk_size": 16})
+    variants.take_variant(module, {"chunk_size": None})  # an argument the family left unset changes nothing
+
+
+def test_what_every_models_forward_passes_down_is_not_refused():
+    flow = {"num_items_in_batch": torch.tensor(7), "output_hidden_states": False, "output_router_logits": True,
+            "position_ids": torch.arange(4)[None], "use_cache": False, "is_causal": True}  # fmt: skip
+    kwargs = dict(flow, scaling=0.5, sliding_window=4, softcap=None, s_aux=None)
+    variant = variants.take_variant(torch.nn.Module(), kwargs)
+    assert variant == variants.Variant(window=4)
+    assert kwargs == {"scaling": 0.5, "is_causal": True}  # the rest was read or is inert
+
+
+_BUILD_ON_EAGER_VARLEN = """
+import sys, torch, transformers
+if sys.argv[1] == "import":
+    import odc_hf.attention
+config = transformers.GptOssConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                   num_experts_per_tok=2, layer_types=["full_attention"])
+model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager_varlen")
+model(input_ids=torch.tensor([[1, 2, 3]]))
+from odc_hf.attention import CALLS
+print("calls", sum(CALLS.values()))
+"""
+
+
+def test_eager_varlen_is_registered_for_families_without_sdpa():
+    """In a fresh interpreter, importing odc_hf.attention is what makes transformers accept ``"eager_varlen"`` for a
+    family without SDPA (GPT-OSS), and its forward then runs through odc_hf's function; without the import (the
+    control) transformers refuses the name."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    run = [sys.executable, "-c", _BUILD_ON_EAGER_VARLEN]
+    ours = subprocess.run([*run, "import"], capture_output=True, text=True, timeout=300, env=env)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert int(ours.stdout.split("calls")[-1]) > 0, ours.stdout
+    bare = subprocess.run([*run, "no-import"], capture_output=True, text=True, timeout=300, env=env)
+    assert bare.returncode != 0 and "eager_varlen" in bare.stderr, bare.stderr[-2000:]
+    assert odc_hf.attention.VarlenAttention(eager=True).name == odc_hf.attention.EAGER_VARLEN_ATTENTION
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_padded_rows_equal_the_models_own_attention_with_its_mask(name, monkeypatch):
+    """Padded rows (a 2-D padding mask, as in batched generation and TRL's padded GRPO rows) take the masked path:
+    SDPA with transformers' mask, or the family's eager attention with it (soft-capping, sinks). The real tokens'
+    logits equal the model's own eager attention on the same batch, windows included (rows longer than the window).
+    Twin: the mask dropped inside the masked path (padding attended) differs."""
+    model = _model(name)
+    ids = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :7] = 0  # left padding, as generation pads
+    with torch.no_grad():
+        reference = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        varlen = "eager_varlen" if name != "mistral_window" else "sdpa_varlen"
+        model.set_attn_implementation(varlen)
+        ours = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        real = mask.bool()
+        difference = float((ours[real] - reference[real]).abs().max())
+        assert difference <= 1e-5 * float(reference[real].abs().max()), difference
+        original = variants.masked_attention
+        monkeypatch.setattr(odc_hf.attention.varlen, "masked_attention",
+                            lambda m, q, k, v, attention_mask, *a: original(m, q, k, v, None, *a))  # fmt: skip
+        unmasked = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert float((unmasked[real] - reference[real]).abs().max()) > 100 * max(difference, 1e-7)
+
+
+def test_a_window_the_layer_keeps_as_an_attribute_is_read_when_the_call_passes_none():
+    """A layer that keeps ``sliding_window`` as an attribute and leaves it to the model's mask (Qwen2-MoE) gets it
+    applied; an argument of the call wins; anything but an integer (a flag, a string) is no window."""
+    layer = torch.nn.Module()
+    layer.sliding_window = 4
+    assert variants.take_variant(layer, {}).window == 4
+    assert variants.take_variant(layer, {"sliding_window": 6}).window == 6
+    for odd in (True, "4", 4.0, None):
+        layer.sliding_window = odd
+        assert variants.take_variant(layer, {}).window is None, odd
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 50])
+@pytest.mark.parametrize("offset", [0, 4])
+def test_allowed_is_causal_within_the_window_and_additive_keeps_its_zeros(window, offset):
+    """``allowed``: query i (at i + offset) sees key j iff j <= i + offset and, with a window w, j > i + offset - w;
+    ``additive``: 0 where allowed, the dtype's minimum elsewhere, in that dtype."""
+    mask = variants.allowed(2, 9, 1, 12, window, q_offset=offset)
+    expected = torch.tensor([[j <= i + offset and (window is None or j > i + offset - window) for j in range(1, 12)]
+                             for i in range(2, 9)])  # fmt: skip
+    assert torch.equal(mask, expected)
+    for dtype in (torch.float32, torch.bfloat16):
+        add = variants.additive(mask, dtype)
+        assert add.dtype == dtype and torch.equal(add == 0, mask)
+        assert torch.all(add[~mask] == torch.finfo(dtype).min)
+
+
+def test_the_familys_own_eager_function_or_a_named_refusal():
+    from transformers.models.gemma2 import modeling_gemma2
+
+    model = _model("gemma2_window_softcap")
+    layer = next(m for m in model.modules() if type(m).__name__ == "Gemma2Attention")
+    assert variants.eager_function(layer) is modeling_gemma2.eager_attention_forward
+    with pytest.raises(variants.UnsupportedAttentionArgument,
+                       match=r"^Linear needs soft-capping or attention sinks, and its modeling file "
+                             r"\(torch\.nn\.modules\.linear\) has no eager_attention_forward"):  # fmt: skip
+        variants.eager_function(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["gemma2_window_softcap", "gpt_oss_window_sinks"])
+def test_cached_decoding_equals_the_models_own_attention(name):
+    """Generation with a cache: each decode step's query sits at the end of its keys (no mask: the masked path builds
+    the causal, windowed one with the queries' offset). Greedy tokens and every step's logits equal eager's."""
+    model = _model(name)
+    ids = torch.randint(1, 97, (1, 20), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        reference = model.generate(ids, **kwargs)
+        model.set_attn_implementation("eager_varlen")
+        ours = model.generate(ids, **kwargs)
+    assert torch.equal(ours.sequences, reference.sequences)
+    for a, b in zip(ours.logits, reference.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_refusals_say_what_the_layer_passed_and_what_to_use():
+    class OddLayer(torch.nn.Module):
+        pass
+
+    with pytest.raises(variants.UnsupportedAttentionArgument) as refused:
+        variants.take_variant(OddLayer(), {"alibi": torch.zeros(1)})
+    assert str(refused.value) == (
+        f"odc_hf's packed-row attention (sdpa_varlen) got the attention argument(s) ['alibi'] from OddLayer "
+        f"({__name__}) and does not apply them per document; the model would train differently from its definition. "
+        "Use ODCConfig(attention='model') with the model loaded with attn_implementation='sdpa' or 'eager' "
+        "(transformers' own masks over packed rows)"
+    )
+    assert variants.take_variant(OddLayer(), {"sliding_window": 1}).window == 1  # a query sees itself alone
+    for bad in (0, -3, 2.5):
+        with pytest.raises(variants.UnsupportedAttentionArgument,
+                           match=rf"^OddLayer: sliding_window={bad!r} is not a window size$"):  # fmt: skip
+            variants.take_variant(OddLayer(), {"sliding_window": bad})
+    with pytest.raises(variants.UnsupportedAttentionArgument, match=r"ODCConfig\(attention='model'\) with "
+                       r"attn_implementation='eager'$"):  # fmt: skip
+        variants.eager_function(OddLayer())
