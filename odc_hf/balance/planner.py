@@ -159,23 +159,6 @@ def _ffd_bins(labels: np.ndarray, lengths: np.ndarray, num_parts: int, max_token
     return order, owner, bin_at[owner, position], opened
 
 
-def pack_first_fit_decreasing_all(parts: Sequence[Sequence[int]], lengths: np.ndarray, max_tokens: int):
-    """:func:`pack_first_fit_decreasing` of every part (disjoint index lists), the same bins, all parts at once."""
-    num = len(parts)
-    counts = [len(part) for part in parts]
-    if not sum(counts):
-        return [[] for _ in range(num)]
-    items = np.fromiter((i for part in parts for i in part), dtype=np.int64, count=sum(counts))
-    labels = np.full(int(items.max()) + 1, -1, dtype=np.int64)
-    labels[items] = np.repeat(np.arange(num), counts)
-    keep = np.nonzero(labels >= 0)[0]
-    order, owner, bins, opened = _ffd_bins(labels[keep], np.asarray(lengths)[keep], num, max_tokens)
-    out: list[list[list[int]]] = [[[] for _ in range(k)] for k in opened.tolist()]
-    for item, part, b in zip(keep[order].tolist(), owner.tolist(), bins.tolist()):
-        out[part][b].append(item)
-    return out
-
-
 def _packed_plan(mode, labels, eff, doc_costs, cost_model, bound, num_parts, max_tokens) -> Plan:
     """LB-Mini's packing and pricing, vectorised: first-fit decreasing per rank, microbatches heaviest first."""
     order, owner, bins, opened = _ffd_bins(labels, eff, num_parts, max_tokens)

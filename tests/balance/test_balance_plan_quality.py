@@ -9,7 +9,6 @@ from odc_hf.balance.cost import FlopCostModel, QuadraticCostModel
 from odc_hf.balance.planner import (
     FALLBACK_SKIP_TOLERANCE,
     pack_first_fit_decreasing,
-    pack_first_fit_decreasing_all,
     plan_lb_micro,
     plan_lb_mini,
 )
@@ -73,6 +72,21 @@ def test_plans_are_no_worse_than_before(key):
     assert micro.predicted_odc_time == pytest.approx(micro_odc_before, rel=1e-12)
 
 
+def _first_fit_decreasing_all(parts, lengths, max_tokens):
+    """The planner's vectorised first-fit decreasing (``_ffd_bins``, what LB-Mini packs with) of every part."""
+    from odc_hf.balance.planner import _ffd_bins
+
+    labels = np.full(len(lengths), -1, dtype=np.int64)
+    for p, part in enumerate(parts):
+        labels[part] = p
+    keep = np.nonzero(labels >= 0)[0]
+    order, owner, bins, opened = _ffd_bins(labels[keep], np.asarray(lengths)[keep], len(parts), max_tokens)
+    out = [[[] for _ in range(k)] for k in opened.tolist()]
+    for item, part, b in zip(keep[order].tolist(), owner.tolist(), bins.tolist()):
+        out[part][b].append(item)
+    return out
+
+
 def test_first_fit_decreasing_of_all_parts_equals_one_part_at_a_time():
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -81,4 +95,4 @@ def test_first_fit_decreasing_of_all_parts_equals_one_part_at_a_time():
         labels = rng.integers(0, parts_count, size=n)
         parts = [np.nonzero(labels == p)[0].tolist() for p in range(parts_count)]
         one_by_one = [pack_first_fit_decreasing(part, lengths, budget) for part in parts]
-        assert pack_first_fit_decreasing_all(parts, lengths, budget) == one_by_one
+        assert _first_fit_decreasing_all(parts, lengths, budget) == one_by_one
