@@ -41,7 +41,7 @@ if [ -d /tmp/fa4/flash_attn ]; then export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/
 t0=$SECONDS
 say() { echo "$* (t=$((SECONDS - t0)))"; }
 sg() {  # single_gpu.py PARTS VARIANTS LIMIT_S NAME
-  timeout "$3" python3 -m benchmarks.single_gpu.run.run --parts "$1" --variants "$2" --steps 30 --warmup 2 \
+  timeout "$3" python3 -m benchmarks.single_gpu.run --parts "$1" --variants "$2" --steps 30 --warmup 2 \
     ${SG_EXTRA:-} --out "$OUT/$4" > "$OUT/$4.log" 2>&1
   grep -E "ok \(|failed" "$OUT/$4.log" | tail -10; say "$4 done"
 }
@@ -68,11 +68,11 @@ if [ "$stage" = 5 ]; then
   timeout 200 python3 -m pytest -m gpu -rP -q -p no:cacheprovider tests/gpu/test_attention_fa4_gpu.py \
     tests/gpu/test_gpu_one_device.py -k "flash or fa4 or lora" > "$OUT/gpu_tests_fa4.log" 2>&1; tail -2 "$OUT/gpu_tests_fa4.log"
   say "fa4 tests"
-  timeout 360 python3 -m benchmarks.single_gpu.run.compute_ceiling --attn flash_attention_4,sdpa_varlen --models 1.5B \
+  timeout 360 python3 -m benchmarks.single_gpu.compute_ceiling --attn flash_attention_4,sdpa_varlen --models 1.5B \
     --repeats 7 --out "$OUT" > "$OUT/attention_compare.log" 2>&1; tail -4 "$OUT/attention_compare.log"; say "attention"
 fi
 if [ "$stage" = 6 ]; then
-  timeout 420 python3 -m benchmarks.single_gpu.run.compute_ceiling --attn flash_attention_4,sdpa_varlen --models 1.5B --rows grpo \
+  timeout 420 python3 -m benchmarks.single_gpu.compute_ceiling --attn flash_attention_4,sdpa_varlen --models 1.5B --rows grpo \
     --repeats 9 --tag _grpo --out "$OUT" > "$OUT/attention_compare_grpo.log" 2>&1
   tail -8 "$OUT/attention_compare_grpo.log"; say "grpo layouts"
 fi

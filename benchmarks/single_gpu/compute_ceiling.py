@@ -16,10 +16,10 @@ median of ``--repeats`` CUDA-event timings after a warm-up run. MFU: causal-halv
 document / (seconds x 989 TFLOP/s), recomputation not counted. Losses are compared with the fp32 full-logits loss
 of the same weights. Each model runs in its own process (Liger's patches are process-wide).
 
-    python -m benchmarks.single_gpu.run.compute_ceiling --out benchmarks/results                         # one GPU, ~8 min
-    python -m benchmarks.single_gpu.run.compute_ceiling --models 7B:8192,16384 --tag _7b --out $OUT
-    python -m benchmarks.single_gpu.run.compute_ceiling --tiny --out /tmp/cc                               # CPU dry run
-    python -m benchmarks.single_gpu.run.compute_ceiling --attn flash_attention_4,sdpa_varlen --models 1.5B --out $OUT
+    python -m benchmarks.single_gpu.compute_ceiling --out benchmarks/results                         # one GPU, ~8 min
+    python -m benchmarks.single_gpu.compute_ceiling --models 7B:8192,16384 --tag _7b --out $OUT
+    python -m benchmarks.single_gpu.compute_ceiling --tiny --out /tmp/cc                               # CPU dry run
+    python -m benchmarks.single_gpu.compute_ceiling --attn flash_attention_4,sdpa_varlen --models 1.5B --out $OUT
 
 ``--attn`` with several implementations (a comma list of auto, flash_attention_4, sdpa_varlen, ...) runs them side by
 side instead, interleaved on the default path, on LongAlign-like, Tulu-like and GRPO-like rows

@@ -1,9 +1,9 @@
 """One GPU, end to end: the ODC trainers against TRL's own trainers, as users run them.
 
-    python -m benchmarks.single_gpu.run.run --parts sft_longalign --out $OUT                      # ~6 min on one H200
-    python -m benchmarks.single_gpu.run.run --parts sft_tulu,lora,grpo,resume --out $OUT          # ~8 min
-    python -m benchmarks.single_gpu.run.run --smoke --out /tmp/single_gpu                         # CPU: tiny model, 2 steps
-    python -m benchmarks.single_gpu.run.run --merge RUN1/single_gpu_*.json RUN2/single_gpu_*.json --out benchmarks/results
+    python -m benchmarks.single_gpu.run --parts sft_longalign --out $OUT                      # ~6 min on one H200
+    python -m benchmarks.single_gpu.run --parts sft_tulu,lora,grpo,resume --out $OUT          # ~8 min
+    python -m benchmarks.single_gpu.run --smoke --out /tmp/single_gpu                         # CPU: tiny model, 2 steps
+    python -m benchmarks.single_gpu.run --merge RUN1/single_gpu_*.json RUN2/single_gpu_*.json --out benchmarks/results
                                                           # CPU: one report from several device calls' JSON
 
 Every variant trains the SAME samples in the SAME order, one step = one group of samples:

@@ -6,16 +6,15 @@ collator and :class:`~odc_hf.integrations.trainer.bundle.BundleCollator` build t
 document. transformers' ``"sdpa"`` does that with an explicit block-diagonal mask (``masking_utils``), and
 SDPA with a materialised mask runs a kernel that skips nothing: a row of documents s1, s2, ... then costs
 ``(s1 + s2 + ...)^2`` attention, not the ``s1^2 + s2^2 + ...`` the balancer's cost model (and flash-attn's
-varlen kernel) assume. On a 2×H200 LongAlign-like run that made packed rows far more expensive than
-planned (see ``benchmarks/results/sft_main_job_*``).
+varlen kernel) assume, and packed rows cost far more than planned (docs/attention.md).
 
 ``attn_implementation="sdpa_varlen"`` keeps attention inside each document at the ``cu_seq_lens_q``
 boundaries the padding-free collators provide, without building a mask: one causal SDPA call per document
 (the flash kernel on GPUs). ``VarlenAttention(varlen_kernel=True)`` switches CUDA to torch's
-``torch.nn.attention.varlen.varlen_attn`` (one flash-varlen launch per layer for the whole row). Measured on one
-H200 (torch 2.11, Qwen2.5-1.5B shape, fwd+bwd of a 28,672-token row, ``benchmarks/attention/check.py``): one
-document 1.38 s on every path; 2 documents 1.13 s per-document SDPA, 1.35 s varlen kernel, 2.96 s transformers'
-``sdpa`` with its block-diagonal mask; 4 documents 0.99 / 1.08 / 2.96 s. Hence per-document SDPA is the default. It is registered through transformers' public ``AttentionInterface``::
+``torch.nn.attention.varlen.varlen_attn`` (one flash-varlen launch per layer for the whole row). Per-document SDPA
+is the default: on packed rows of several documents it was the fastest of the three, and the masked ``sdpa`` the
+slowest (docs/attention.md has the measurements, ``benchmarks/attention/check.py`` makes them). It is registered
+through transformers' public ``AttentionInterface``::
 
     import odc_hf.attention  # registers "sdpa_varlen"
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa_varlen")
@@ -32,10 +31,9 @@ sinks): padded batched generation and TRL's padded GRPO rows stay correct. One h
 boundaries (cached across layers).
 
 **Shape buckets.** On Hopper, torch's SDPA runs cuDNN's attention, which builds (and may compile) an execution
-plan for every new shape and stride it meets, ~0.1 s each for forward and again for backward. Variable-length
-training meets new document lengths every step, so without care a packed row of new lengths pays that on top of
-its compute: on 2×H200 (1.5B, ``benchmarks/results/microbatch_probe_*``) LB-Mini's freshly packed rows ran at
-1.25x their cost while the same layouts with warm plans ran at 1.04x. Each document's q/k/v are therefore
+plan for every new shape and stride it meets, for forward and again for backward. Variable-length training meets
+new document lengths every step, so without care a packed row of new lengths pays that on top of its compute
+(docs/attention.md, its "Shape buckets" item, has the measured cost). Each document's q/k/v are therefore
 copied into a zero-padded buffer of a multiple of ``shape_bucket`` tokens (padding at the end changes no
 causal output or gradient of the real tokens), laid out (batch, seq, heads, dim) in memory whatever layout the
 model's q/k/v have: at most ``max_length / shape_bucket`` shapes, all planned once (:func:`warm_up` does it up front).

@@ -8,13 +8,11 @@ restarting per document) attention is computed per document, so the cost of a pa
     microbatch_cost = max(floor, overhead + sum over its documents of doc_cost(length))
 
 where ``overhead`` is a fixed per-microbatch price and ``floor`` the least a microbatch costs at all
-(both zero for the analytic models; fitted by ``odc_hf.prediction.calibrate.calibrate``). The floor is how a real GPU behaves:
-a short row is launch-bound (the host issues kernels slower than the GPU runs them: per fwd+bwd of a 1.5B
-model on an H200 up to ~4k tokens, ~0.18 s with every layer checkpointed, ~0.1 s on odc_hf's default path),
-while a long row is GPU-bound and its host work hides under the GPU's. Fitting that with an additive ``a`` instead (``a + b·s + c·s²`` over all lengths)
-prices every packed row ``a`` too cheap per extra document: measured on one H200 (1.5B, 28,672 tokens),
-rows of 2 and 4 documents took 1.13 s and 0.99 s where the additive fit said 0.98 s and 0.76 s, and the
-floor model says 1.13 s and 0.99 s (``benchmarks/results/attention_check_*``).
+(both zero for the analytic models; fitted by ``odc_hf.prediction.calibrate.calibrate``). The floor is how a real
+GPU behaves: a short row is launch-bound (the host issues kernels slower than the GPU runs them, up to a few
+thousand tokens for a 1.5B model), while a long row is GPU-bound and its host work hides under the GPU's. Fitting
+that with an additive ``a`` instead (``a + b·s + c·s²`` over all lengths) prices every packed row ``a`` too cheap
+per extra document, where the floor model matches the measured rows (docs/balancing.md has the measurements).
 
 Three models:
 

@@ -9,7 +9,8 @@
   all-gather stream, so the reads overlap compute.
 * **scatter-accumulate**: a Triton kernel loads this rank's row for a peer, casts it to fp32 and adds it with
   ``atomic_add(sem="relaxed", scope="sys")`` straight into the peer's accumulator. Atomics make concurrent
-  pushes from several senders correct without a daemon or a lock; measured at ~0.95x NCCL reduce-scatter.
+  pushes from several senders correct without a daemon or a lock, at about NCCL reduce-scatter's speed
+  (docs/benchmarks.md has the measurements).
   Float additions in arrival order are not bit-reproducible; ``deterministic=True`` gives every owner one fp32
   slot per sender instead (a sender adds only into its own slot: no atomics, no races) and the owner sums the
   slots in rank order, as the CPU transport does: bit-identical runs for ``world_size`` times the accumulator
@@ -74,7 +75,7 @@ def _max_ctas() -> int | None:
 
     Environment only, on purpose: a kernel-tuning knob of this transport (the transport layer knows nothing of
     ``ODCConfig``), read at each launch so a probe can compare caps in one process (benchmarks/sft/microbatch_probe.py).
-    Measured there on 2xH200: a 32-CTA cap gave no gain, so the default is uncapped; see docs/configuration.md."""
+    A cap gave no gain where it was measured, so the default is uncapped; see docs/configuration.md."""
     value = os.environ.get("ODC_ACCUMULATE_MAX_CTAS", "").strip()
     if not value:
         return None

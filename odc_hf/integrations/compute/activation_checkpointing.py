@@ -144,7 +144,7 @@ def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: s
     of T and T/2 tokens (T = min(tokens, CALIBRATION_TOKENS)) without and with checkpointing, and reads the
     allocator's peaks: half the 4-layer minus the 2-layer slope is one layer's bytes per token. (With one layer
     the peak can fall in another phase of the step, e.g. inside Liger's fused loss, which computes its gradients
-    in the forward; 1.5B on an H200: a 1- vs 2-layer fit overestimated the 32k no-AC peak by 54 %.) ``fixed_bytes`` is the
+    in the forward, and a 1- vs 2-layer fit overestimated the peak: docs/benchmarks.md.) ``fixed_bytes`` is the
     library workspace (gradients of the copies removed); ``static_bytes`` is 0: the caller adds its own resident state.
     """
     device = torch.device(device)

@@ -3,9 +3,8 @@
 
 ``attention="auto"`` (the default) picks transformers' ``"flash_attention_4"`` (FlashAttention-4's CuTe DSL varlen
 kernel: one launch per layer for a whole packed row, from the ``cu_seq_lens_*`` / ``max_length_*`` the collators
-pass) where it runs, else odc_hf's ``"sdpa_varlen"`` (per-document SDPA). Measured on one H200 (docs/attention.md):
-FA4 is 1.05-1.08x faster on rows of few long documents and ~2x on rows of many short ones (Tulu-like SFT, GRPO
-completions), and it takes no fp32 inputs. The model's implementation is set through transformers' public
+pass) where it runs, else odc_hf's ``"sdpa_varlen"`` (per-document SDPA). FA4 is faster on packed rows, most of all
+on rows of many short documents (docs/attention.md has the measurements), and it takes no fp32 inputs. The model's implementation is set through transformers' public
 ``PreTrainedModel.set_attn_implementation`` (5.17 and 5.24). transformers keeps no record of whether a user asked
 for an implementation, so "auto" replaces only the two it owns the choice between: transformers' default
 ``"sdpa"`` (what ``from_pretrained`` / ``from_config`` pick when asked for nothing) and odc_hf's ``sdpa_varlen``; any

@@ -1,8 +1,8 @@
 """The microbatch compute path: Liger kernels and a causal-LM loss that never builds the logits.
 
 The ``tokens x vocab`` logits dominate a long row's memory; once a fused loss never materialises them, activation
-checkpointing is no longer needed at 32k tokens for a 1.5B model, and the step gets ~1.4x faster (one H200,
-docs/performance.md). So the ODC trainers
+checkpointing is no longer needed at 32k tokens for a 1.5B model, and the step gets faster (docs/performance.md has
+the measurements). So the ODC trainers
 
 - apply Liger's layer kernels (RMSNorm, SwiGLU, RoPE) before sharding, when ``liger-kernel`` is installed and
   training runs on CUDA (``ODCConfig.kernels``; ``use_liger_kernel=True`` requires them);
@@ -126,8 +126,8 @@ def liger_kernel_config(model, requested: dict | None, *, explicit: bool, mixed_
 
     Liger's SwiGLU patch replaces a Mixture-of-Experts family's experts (transformers v5: Qwen3-MoE, Mixtral,
     DeepSeek, ...) with its fused MoE kernel, whose Triton matrix products take float32 inputs on TF32 (Triton's
-    default precision: a 10-bit mantissa). In an fp32 run that is a precision the user did not choose (on one H200,
-    Qwen3-MoE's router loss then drifted 1.1e-3 from TRL's within 3 steps), so ``auto`` leaves the experts alone
+    default precision: a 10-bit mantissa). In an fp32 run that is a precision the user did not choose (a MoE router
+    loss then drifts from TRL's within a few steps: docs/performance.md), so ``auto`` leaves the experts alone
     there (``swiglu: False``; RMSNorm and RoPE stay on Liger). Asked for by name (``use_liger_kernel=True``,
     ``kernels="liger"`` or a ``swiglu`` entry of ``liger_kernel_config``), Liger is applied as asked, with a warning.
     Under mixed precision the model's own experts multiply in bf16/fp16 (autocast, or FSDP's parameter cast), less
@@ -155,10 +155,9 @@ def pin_liger_rope(environ=None, impls=None) -> str:
     """Run Liger's RoPE on its Triton kernel, not its CuTe DSL one, unless the user chose (``LIGER_KERNEL_IMPL_ROPE``).
 
     liger-kernel 0.8.5 auto-selects a CuTe DSL RoPE on compute capability >= 9.0 when the CUTLASS DSL is importable
-    (FlashAttention-4 installs it) for rows of >= 131,072 query head-rows. On one H200 (Qwen2.5-1.5B shape, 28 layers)
-    each call of it cost ~10 ms of host time (forward) and ~14 ms (backward) whenever the row length was new, the
-    GPU idling meanwhile: 0.67 s of a 1.6 s step of a 32k row (profile in benchmarks/results/single_gpu_h200x1_2026-12-02*).
-    Rows of new lengths every step are what variable-length training is. Liger reads ``LIGER_KERNEL_IMPL_ROPE`` at
+    (FlashAttention-4 installs it) for long rows, and that kernel spends host time on every call whenever the row
+    length is new, the GPU idling meanwhile (a large part of a 32k step: docs/performance.md, "Liger's RoPE"). Rows
+    of new lengths every step are what variable-length training is. Liger reads ``LIGER_KERNEL_IMPL_ROPE`` at
     every call (its public per-op choice); this sets it to ``nvidia-triton`` where Liger registers both. Returns what
     happened: ``"pinned"``, ``"user"`` (a Liger choice was set: kept), ``"no choice"`` (this Liger has one RoPE).
     ``impls``: the RoPE implementations to assume (tests); default: ``liger_kernel.backends.all_impls("rope")``.

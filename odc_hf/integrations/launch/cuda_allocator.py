@@ -4,11 +4,9 @@ Variable-length training allocates activations of new sizes every step (each mic
 tokens). With torch's default allocator settings, blocks cached for one step's sizes fit the next step's badly, so
 the memory it reserves grows past what is allocated; once it reaches the GPU's size, an allocation that finds no
 fitting block frees every cached block and retries (``torch.cuda.memory_stats()["num_alloc_retries"]``), which
-synchronises the device. Measured on one H200 (Qwen2.5-1.5B shape, 32k-token rows of new lengths, no activation
-checkpointing, 98-99 GiB allocated at peak): the default allocator reserved all 139 GiB and retried twice in 28 steps;
-with ``expandable_segments:True`` it reserved 99.3 GiB and never retried; step times were equal within noise
-(benchmarks/results/single_gpu_h200x1_2026-12-02*). So it buys memory headroom -- what ``activation_checkpointing=
-"auto"`` plans against (0.9 x the GPU) -- not speed.
+synchronises the device. With ``expandable_segments:True`` the reserved memory stays close to what is allocated and
+those retries disappear, at the same step time (docs/performance.md has the measurement). So it buys memory headroom
+-- what ``activation_checkpointing="auto"`` plans against -- not speed.
 
 torch reads the setting once, when CUDA starts in the process (``PYTORCH_ALLOC_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF``);
 no public call changes it afterwards. So odc_hf sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` where it

@@ -25,8 +25,8 @@ itself checked the same way (transformers' masks over packed rows: ``ODCConfig(a
 ``attn_implementation="sdpa"``), or TRL's own trainer when none does.
 
 Every rank computes the same verdict from the same config and seed, without a collective. The verdict is cached per
-model class, config and attention for the process. Cost: a few forwards of a model of width 32 (measured 0.05-0.5 s
-on one CPU core for 2 to 48 layers, :data:`LAST_COST`), against a training step of seconds.
+model class, config and attention for the process. Cost: a few forwards of a model of width 32, a fraction of a
+second (:data:`LAST_COST` records it; docs/models.md has the measured range), against a training step of seconds.
 """
 
 from __future__ import annotations

@@ -118,8 +118,8 @@ def padded_columns_multiple(device_type: str, implementation: str | None) -> int
 
     The rounding guards cuDNN's masked attention, so it applies on CUDA where padded rows reach it: ``sdpa``, and
     ``sdpa_varlen``, which runs padded rows as ``sdpa`` with the padding mask. FlashAttention (``flash_attention_*``)
-    unpads the rows and runs no masked kernel, so its padded rows keep their exact width (on one H200, 64 GRPO-like
-    sequences: 101,360 padded tokens instead of 103,168, and 2.11 s instead of 2.16 s of fwd+bwd on FA4).
+    unpads the rows and runs no masked kernel, so its padded rows keep their exact width (fewer padded tokens, a
+    slightly faster step: docs/benchmarks.md).
     """
     if device_type != "cuda" or is_flash(implementation):
         return 1

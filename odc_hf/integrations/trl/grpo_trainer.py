@@ -138,10 +138,9 @@ class _GRPOPart:
 
     def _odc_packed_layout(self) -> bool:
         """``ODCConfig.grpo_layout`` resolved. ``auto`` packs under a varlen attention that gains from it: the flash
-        implementations (FlashAttention-4, one H200, a GRPO-like group of 64 sequences: packed rows 1.19-1.22x the
-        padded layout in three runs, 2.4x TRL's; benchmarks/results/attention/attention_compare_h200x1_2026-12-02_grpo.md),
-        and sdpa_varlen off CUDA. It keeps the padded rows under sdpa_varlen on CUDA (per-document SDPA calls: 2.71 s packed vs 2.31 s padded
-        there) and under dense-mask attentions (``sdpa``, ``eager``: a packed row would cost full-row attention)."""
+        implementations (faster packed than padded, docs/benchmarks.md has the measurements) and sdpa_varlen off CUDA. It
+        keeps the padded rows under sdpa_varlen on CUDA (per-document SDPA calls there are slower packed than padded)
+        and under dense-mask attentions (``sdpa``, ``eager``: a packed row would cost full-row attention)."""
         layout = self.odc_config.grpo_layout
         if layout != "auto":
             return layout == "packed"
