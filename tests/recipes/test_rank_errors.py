@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RANK = textwrap.dedent(
     """
     import os, sys, time
-    from odc_hf.integrations import rank_errors
+    from odc_hf.integrations.launch import rank_errors
     from odc_hf.transport.base import PeerFailedError
     rank_errors.install()
     if os.environ["RANK"] == "0":
