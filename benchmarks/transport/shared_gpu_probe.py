@@ -1,7 +1,7 @@
 """What works with several ranks on ONE GPU (gloo process group, every rank on cuda:0): a probe, one check per fresh set
 of ranks so that a crash (SIGSEGV) of one check does not hide the others.
 
-    python -m benchmarks.transport.shared_gpu_probe --out benchmarks/results/shared_gpu_probe_h200x1_<date>.json
+    python -m benchmarks.transport.shared_gpu_probe --out benchmarks/results/transport/shared_gpu_probe_h200x1_<date>.json
 
 Checks: CUDA IPC peer buffers with and without expandable segments (read, atomic add), gloo collectives on CUDA
 tensors (barrier with device_ids, all_reduce MAX, scatter, all_gather_into_tensor), functional collectives

@@ -58,7 +58,7 @@ def test_quadratic_fit_keeps_coefficients_non_negative():
 
 
 def test_fit_finds_the_launch_bound_floor_and_prices_packed_rows_by_gpu_work():
-    """Measured 1.5B/H200 shape: flat ~0.18 s up to 4k tokens, then GPU-bound (benchmarks/results/sft_e2e_*)."""
+    """Measured 1.5B/H200 shape: flat ~0.18 s up to 4k tokens, then GPU-bound (benchmarks/results/sft/sft_e2e_*)."""
     truth = QuadraticCostModel(a=0.0, b=3e-5, c=6e-10, floor=0.18)
     lengths = [512, 2048, 4096, 8192, 16384, 24576, 32768]
     fitted = QuadraticCostModel.fit(lengths, [truth.microbatch_cost([s]) for s in lengths])
