@@ -152,6 +152,7 @@ def train_one(args, loss_type: str, tokenizer, dataset):
     from trl import GRPOTrainer
 
     from odc_hf import ODCConfig, ODCGRPOConfig
+    from odc_hf.integrations.launch.exit_cleanup import destroy_gloo_group_at_exit
     from odc_hf.integrations.trl.grpo_trainer import ODCGRPOTrainer
 
     output_dir = Path(args.output_dir) / loss_type
@@ -186,6 +187,8 @@ def train_one(args, loss_type: str, tokenizer, dataset):
     else:
         trainer = GRPOTrainer(**kwargs)
     trainer.train()
+    if args.trainer == "trl":  # TRL's own trainer: the gloo exit guard the ODC trainers register themselves
+        destroy_gloo_group_at_exit()
     history = [h for h in trainer.state.log_history if "loss" in h]
     steps = [{"microbatches": s.microbatches, "busy_s": s.busy_s, "wait_s": s.wait_s}
              for s in getattr(trainer, "odc_stats", None).steps] if args.trainer == "odc" else []  # fmt: skip

@@ -323,6 +323,9 @@ def run(trainer_name: str, out: Path, *, steps: int, sleep: bool, peft: bool, me
     record = {"syncs": [], "rollouts": [], "prompts": []}
     add_checks(trainer, record, path, out if trainer.accelerator.num_processes == 1 else None)
     trainer.train()
+    from odc_hf.integrations.launch.exit_cleanup import destroy_gloo_group_at_exit
+
+    destroy_gloo_group_at_exit()  # TRL's trainer too: a gloo worker must not outlive the interpreter (see its docstring)
     result = {
         **record,
         "history": [h for h in trainer.state.log_history if "loss" in h],
