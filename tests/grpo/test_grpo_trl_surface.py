@@ -132,3 +132,17 @@ def test_grpo_drops_the_unread_head_warning_as_sft_does(tmp_path, monkeypatch):
         assert len(installed) == 1 and installed[0].head is model.get_output_embeddings(), fsdp_logger.filters
     finally:
         fsdp_logger.filters = [f for f in fsdp_logger.filters if not isinstance(f, UnreadHeadFilter)]
+
+
+def test_a_hooked_method_trl_removed_is_found_below_odc_hfs_hooks():
+    """odc_hf's hook classes define the private methods they override, so the check looks only at the classes
+    below them: a TRL whose GRPOTrainer lost ``_get_train_sampler`` is refused although the hook still exists."""
+    from trl import GRPOTrainer
+
+    from odc_hf.integrations.trainer.mixin import ODCMixin
+    from odc_hf.integrations.upstream.transformers import missing_upstream_methods
+
+    lost = type("LostSampler", (GRPOTrainer,), {"_get_train_sampler": None})
+    hooked = type("Hooked", (ODCMixin, trl_version.GRPOHooks, lost), {})
+    assert callable(hooked._get_train_sampler)  # the hook alone would satisfy a plain lookup
+    assert missing_upstream_methods(hooked, trl_version.GRPO_PRIVATE_METHODS) == ["_get_train_sampler"]

@@ -104,11 +104,22 @@ def output_dir(trainer, trial=None) -> str:
     return trainer._get_output_dir(trial=trial)
 
 
+def missing_upstream_methods(cls: type, names) -> list[str]:
+    """The ``names`` no class of ``cls``'s MRO below its last odc_hf class defines as a method: what the upstream
+    trainer (and a user's own base class) must provide, whatever odc_hf's hook classes define above it."""
+    mro = cls.__mro__
+    last = max((i for i, c in enumerate(mro) if c.__module__.startswith("odc_hf.")), default=-1)
+    below = mro[last + 1 :]
+    return [name for name in names  # the first class below that holds the name decides, as attribute lookup does
+            if not callable(next((vars(c)[name] for c in below if name in vars(c)), None))]  # fmt: skip
+
+
 def check_trainer(trainer_cls: type) -> None:
-    """Raise when ``trainer_cls`` lacks a private Trainer method of :data:`TRAINER_HOOKS` it overrides or calls
-    (a transformers that renamed it), naming it and the tested versions; warn once on an untested transformers."""
+    """Raise when the transformers Trainer below ``trainer_cls``'s odc_hf classes lacks a private method of
+    :data:`TRAINER_HOOKS` odc_hf overrides or calls (a transformers that renamed it), naming it and the tested
+    versions; warn once on an untested transformers."""
     warn_if_untested("transformers")
-    missing = [name for name in TRAINER_HOOKS if not callable(getattr(trainer_cls, name, None))]
+    missing = missing_upstream_methods(trainer_cls, TRAINER_HOOKS)
     if missing:
         raise RuntimeError(
             f"transformers {transformers.__version__}: {trainer_cls.__name__} lacks {missing}, private Trainer methods "
@@ -128,6 +139,7 @@ __all__ = [
     "apply_liger_kernel",
     "attn_implementation",
     "check_trainer",
+    "missing_upstream_methods",
     "checkpointing_installed",
     "is_flash_attn_4_available",
     "rotate_checkpoints",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from odc_hf.integrations.upstream.transformers import missing_upstream_methods
 from odc_hf.version import TESTED, warn_if_untested
 
 # The one TRL version policy of odc_hf (odc_hf.version's policy applied to TRL). Both trainers read private TRL names
@@ -31,7 +32,7 @@ def check_trl(trainer, trainer_name: str, *, methods=(), attributes=()) -> None:
     import trl
 
     warn_if_untested("trl", versions={"trl": trl.__version__})
-    missing = [n for n in methods if not callable(getattr(trainer, n, None))]
+    missing = missing_upstream_methods(type(trainer), methods)  # TRL's own, not odc_hf's hooks over them
     missing += [n for n in attributes if not hasattr(trainer, n)]
     if missing:
         raise RuntimeError(f"trl {trl.__version__}: {trainer_name} lacks {missing}, private TRL names odc_hf reads; "
