@@ -167,18 +167,20 @@ def test_verdict_states_steps_and_spread_and_refuses_what_it_cannot_support():
 
 
 def test_help_is_fast():
-    """--help must not import torch (it took 4-7 s): < 1 s is the target. Measured here: 0.2-0.5 s on a shared,
-    loaded 2-core machine (python start-up + numpy); the assertion allows 2 s for that load, still well below the
-    2.5 s torch alone costs to import on this machine (the failure it guards against)."""
-    import time
+    """--help must not import torch (it took 4-7 s): < 1 s is the target. The child's CPU time is measured, not the
+    wall clock, so that other work on the machine (tests run in parallel) does not count: 0.2-0.5 s here (python
+    start-up + numpy); the bound, 2 s, is below the 2.5 s of CPU torch alone costs to import on this machine (the
+    failure it guards against)."""
+    import resource
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    start = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, "-m", "odc_hf.estimate", "--help"], capture_output=True, text=True,
                           env=env, timeout=60)  # fmt: skip
-    took = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the child was waited for: its CPU time is counted
+    took = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert done.returncode == 0 and "--rebalance-max-steps" in done.stdout
-    assert took < 2.0, f"--help took {took:.2f} s"
+    assert took < 2.0, f"--help took {took:.2f} s of CPU"
     probe = subprocess.run([sys.executable, "-c", "import sys, odc_hf.prediction.estimate_cli as e; e.build_parser(); "
                             "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))"],
                            capture_output=True, text=True, env=env, timeout=60)  # fmt: skip

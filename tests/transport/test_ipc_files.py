@@ -31,9 +31,12 @@ from odc_hf.transport import ipc_files
 
 RANK = textwrap.dedent(
     """
-    import os, sys
+    import os, signal, sys
     from pathlib import Path
     from odc_hf.transport import ipc_files
+
+    # Ctrl-C as at a terminal: a job a shell started in the background (CI, nohup ... &) inherits SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     directory, job = Path(sys.argv[1]), sys.argv[2]
     ledger = ipc_files.IpcLedger(job, directory)
