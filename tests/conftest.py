@@ -8,10 +8,15 @@ import sys
 import pytest
 import torch
 
+# One torch thread in the test processes and in what they start: the models here are tiny, so a second intra-op thread
+# adds hand-off and spin-waiting, not speed, and the suite's workers and their ranks already keep every core busy.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture
 def one_torch_thread():
-    """Tiny models are dominated by thread hand-off cost on small CPU hosts; one thread is much faster."""
+    """One intra-op thread for this test, whatever the session set (tiny models: thread hand-off dominates)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -66,6 +71,51 @@ def environment_restored():
     for name, value in before.items():
         if name != "PYTEST_CURRENT_TEST" and os.environ.get(name) != value:
             os.environ[name] = value
+
+
+# The files that take longest (wall seconds in one process on 2 CPU cores), longest first. pytest-xdist's loadfile hands
+# whole files to the workers in collection order (its own reorder, by number of tests, is turned off below): the longest
+# started first, so that both workers run until near the end instead of one finishing a long file alone. Files not
+# listed keep their order after these. Not applied when pytest-randomly orders the tests (tests/README.md).
+LONGEST_FIRST = (
+    "tests/models/test_model_zoo.py",
+    "tests/recipes/test_trl_recipe_runpy.py",
+    "tests/recipes/test_recipe_docs.py",
+    "tests/fsdp/test_collective_audit.py",
+    "tests/grpo/test_grpo_parity.py",
+    "tests/trainers/test_trainer_logged_metrics.py",
+    "tests/project/test_public_api.py",
+    "tests/grpo/test_vllm_runs_stand_in.py",
+    "tests/grpo/test_grpo_metrics.py",
+    "tests/recipes/test_lora_recipe_reference.py",
+    "tests/transport/test_ipc_files.py",
+    "tests/trainers/test_trainer_hsdp.py",
+    "tests/trainers/test_user_errors.py",
+    "tests/recipes/test_trl_grpo_recipe_runpy.py",
+    "tests/trainers/test_trainer_resume.py",
+    "tests/benchmark_runs/test_sft_e2e_smoke.py",
+    "tests/grpo/test_peft_grpo_parity.py",
+    "tests/trainers/test_trainer_elastic_resume.py",
+    "tests/fsdp/test_fsdp_hsdp.py",
+    "tests/trainers/test_peft_sft.py",
+    "tests/benchmark_runs/test_grpo_vllm_benchmark.py",
+    "tests/benchmark_runs/test_single_gpu_benchmark_smoke.py",
+    "tests/trainers/test_trainer_sft_parity.py",
+    "tests/trainers/test_trainer_plan_ahead.py",
+    "tests/benchmark_runs/test_grpo_benchmark_smoke.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the collection's order of files
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.pluginmanager.hasplugin("randomly"):
+        return
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: order within a file kept
 
 
 def _untested_versions() -> list[str]:

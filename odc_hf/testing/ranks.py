@@ -11,7 +11,8 @@ On Linux the ranks are forked from a multiprocessing fork server that imported t
 TRL once (``PRELOAD``): a rank starts in well under a second instead of re-importing them (~10 s of CPU per rank),
 which is most of a small distributed test's time. The server never runs torch code (no threads, no CUDA), and each
 rank gets the caller's environment of the moment plus ``env``, as a spawned process would. ``start_method="spawn"``
-(the default elsewhere) starts each rank from scratch.
+(the default elsewhere) starts each rank from scratch. :func:`run_process` runs a function the same way in one plain
+process: no process group, no rank variables.
 """
 
 from __future__ import annotations
@@ -102,13 +103,16 @@ def rank_device():
     return torch.device("cpu")
 
 
-def _entry(rank, world_size, port, backend, fn, args, queue, env):
+def _entry(rank, world_size, port, backend, fn, args, queue, env, init_group=True):
     os.environ.clear()  # the caller's environment now, not the fork server's from when it started
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-    )  # fmt: skip
+    if backend is not None:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        )  # fmt: skip
+        if not init_group:  # the group is the launched code's to start: env:// as under torchrun, the parent's store
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     import faulthandler
 
     import torch
@@ -119,16 +123,20 @@ def _entry(rank, world_size, port, backend, fn, args, queue, env):
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
         cuda = env.get(DEVICE_VARIABLE) == "cuda" or backend == "nccl"
+        if backend is None:  # run_process: a plain process, no process group
+            queue.put((rank, pickle.dumps(fn(*args)), None))
+            return
         if cuda:
             os.environ[DEVICE_VARIABLE] = "cuda"
             torch.cuda.set_device(rank % torch.cuda.device_count())
             # ranks sharing a GPU: LOCAL_RANK names this rank's GPU (odc_hf.integrations.launch.shared_gpu.localize_rank)
             os.environ["LOCAL_RANK"] = str(rank % torch.cuda.device_count())
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=_RENDEZVOUS_TIMEOUT,
-            device_id=torch.device("cuda", rank) if backend == "nccl" else None,
-        )  # fmt: skip
+        if init_group:
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT)
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=_RENDEZVOUS_TIMEOUT,
+                device_id=torch.device("cuda", rank) if backend == "nccl" else None,
+            )  # fmt: skip
         # Plain pickle bytes: tensors sent through a multiprocessing queue would be shared-memory handles,
         # which die with this process before the parent reads them.
         value = pickle.dumps(fn(rank, world_size, *args))
@@ -151,12 +159,13 @@ def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
     raise_on_failure: bool = True,
     start_method: str | None = None,
     cuda: bool = False,
+    init_process_group: bool = True,
 ) -> list[Any] | list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes (see the module docstring).
 
@@ -165,18 +174,26 @@ def run_ranks(
 
     Returns the list of values (``raise_on_failure=True``, raising :class:`RanksFailed` otherwise) or the
     list of :class:`RankOutcome` (``raise_on_failure=False``, for tests where a rank is meant to fail).
+
+    ``init_process_group=False``: the ranks get the rank, world and master variables and the rendezvous store as
+    torchrun's workers do (``TORCHELASTIC_USE_AGENT_STORE``: ``init_process_group`` with ``env://`` connects to the
+    parent's store), and ``fn`` starts the group itself, or lets accelerate start it, as a launched script would.
     """
+    if backend is None and world_size != 1:
+        raise ValueError("backend=None (no process group) runs one process: use run_process")
     if cuda:
         backend = "nccl" if backend == "nccl" else cuda_backend(world_size)
         env = {**(env or {}), DEVICE_VARIABLE: "cuda"}
     ctx = _context(start_method)
     queue = ctx.Queue()
-    store = _rendezvous_store(world_size)  # held until every rank has finished (see the end of this function)
-    port = store.port
+    # held until every rank has finished (see the end of this function); none for a plain process
+    store = _rendezvous_store(world_size) if backend is not None else None
+    port = store.port if store is not None else 0
     child_env = {**os.environ, **SAFE_GPU_ENV, "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
         ctx.Process(
-            target=_entry, args=(r, world_size, port, backend, fn, args, queue, child_env), daemon=True
+            target=_entry, args=(r, world_size, port, backend, fn, args, queue, child_env, init_process_group),
+            daemon=True,
         )
         for r in range(world_size)
     ]
@@ -218,3 +235,15 @@ def run_ranks(
     if not all(o.ok for o in result):
         raise RanksFailed(result)
     return [o.value for o in result]
+
+
+def run_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0, env: dict[str, str] | None = None,
+                start_method: str | None = None) -> Any:
+    """``fn(*args)`` in one new process without a process group or rank variables (a plain ``python script.py``
+    process, forked from the same server as :func:`run_ranks`' ranks); returns its value or raises
+    :class:`RanksFailed` with its traceback."""
+    return run_ranks(_call, 1, fn, args, backend=None, timeout_s=timeout_s, env=env, start_method=start_method)[0]
+
+
+def _call(fn, args):
+    return fn(*args)

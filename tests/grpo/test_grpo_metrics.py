@@ -7,18 +7,15 @@ second iteration per generation and a small clipping range so that the clip rati
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from example_scripts import grpo_run
 
 from odc_hf.integrations.trl.grpo_metrics import MetricRecorder, SliceMetrics
-from odc_hf.testing import accelerate_cpu
 
-ROOT = Path(__file__).resolve().parents[2]
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 NOT_METRICS = ("step", "epoch", "learning_rate", "step_time")  # bookkeeping and wall-clock time
 
@@ -61,14 +58,9 @@ def test_slice_values_follow_trls_reductions():
 
 
 def launch(tmp_path: Path, name: str, *extra: str) -> dict:
-    out = tmp_path / name
-    proc = accelerate_cpu(ROOT / "examples/grpo.py", "--output_dir", out, "--losses_json", out / "losses.json",
-                          "--fixed_rollouts", "--max_steps", "4", "--loss_type", ",".join(LOSS_TYPES), "--beta", "0.05",
-                          "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-                          "--max_completion_length", "48", "--num_iterations", "2", "--epsilon", "0.001", *extra,
-                          env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads((out / "losses.json").read_text())
+    return grpo_run(tmp_path / name, "--fixed_rollouts", "--max_steps", "4", "--loss_type", ",".join(LOSS_TYPES),
+                    "--beta", "0.05", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+                    "--max_completion_length", "48", "--num_iterations", "2", "--epsilon", "0.001", *extra)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

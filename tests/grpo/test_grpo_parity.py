@@ -1,36 +1,29 @@
-"""Acceptance (CPU, 2 processes through `accelerate launch`): ODCGRPOTrainer's per-step losses and gradient norms
-equal TRL's own GRPOTrainer (DDP collectives, TRL's loss code with its per-microbatch collectives) on the same
-rollouts, for every supported loss type, with a reference model (beta > 0, on ODC): once with LB-Mini giving the
-ranks different numbers of microbatches, once with a launch-bound cost model under which one rank trains every
-sample of a step and the other none, from the first step on. The uneven plan runs the packed layout (the default on
-CPU: each microbatch one row of prompt+completion sequences on sdpa_varlen, the reference log-probs from packed rows
-too), the zero plan TRL's padded layout (ODCConfig.grpo_layout="padded"). A rank without microbatches runs no
-forward at all, whatever the layout; the packed planner (LB-Mini's) never leaves a rank idle when splitting lowers
-the step time, so the zero plan is reachable through the padded planner's tie-break (least total cost) only."""
+"""Acceptance (CPU, 2 processes as `accelerate launch` starts them, forked: tests/support/launched.py):
+ODCGRPOTrainer's per-step losses and gradient norms equal TRL's own GRPOTrainer (DDP collectives, TRL's loss code
+with its per-microbatch collectives) on the same rollouts, for every supported loss type, with a reference model
+(beta > 0, on ODC): once with LB-Mini giving the ranks different numbers of microbatches, once with a launch-bound
+cost model under which one rank trains every sample of a step and the other none, from the first step on. The uneven
+plan runs the packed layout (the default on CPU: each microbatch one row of prompt+completion sequences on
+sdpa_varlen, the reference log-probs from packed rows too), the zero plan TRL's padded layout
+(ODCConfig.grpo_layout="padded"). A rank without microbatches runs no forward at all, whatever the layout; the
+packed planner (LB-Mini's) never leaves a rank idle when splitting lowers the step time, so the zero plan is
+reachable through the padded planner's tie-break (least total cost) only."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from example_scripts import grpo_run
 
-from odc_hf.testing import accelerate_cpu
-
-ROOT = Path(__file__).resolve().parents[2]
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 COMMON = ["--fixed_rollouts", "--max_steps", "4", "--loss_type", ",".join(LOSS_TYPES), "--beta", "0.05",
           "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_completion_length", "48"]  # fmt: skip
 
 
 def launch(tmp_path: Path, name: str, *extra: str) -> dict:
-    out = tmp_path / name
-    proc = accelerate_cpu(ROOT / "examples/grpo.py", "--output_dir", out, "--losses_json", out / "losses.json",
-                          *COMMON, *extra,
-                          env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads((out / "losses.json").read_text())
+    return grpo_run(tmp_path / name, *COMMON, *extra)
 
 
 # A cost model file (a public ODCConfig.cost_model choice) for launch-bound microbatches: every microbatch costs at

@@ -1,5 +1,5 @@
 """GRPO with LoRA (peft) under ODC: ODCGRPOTrainer's per-step losses and grad norms equal TRL's own GRPOTrainer +
-the same LoRA (DDP collectives, TRL's loss code) on the same rollouts (CPU, 2 processes through `accelerate launch`),
+the same LoRA (DDP collectives, TRL's loss code) on the same rollouts (CPU, 2 processes as `accelerate launch` starts them),
 with the KL term on (beta > 0: TRL's reference is the base model with the adapter disabled, run under ODC too) and
 ranks running different numbers of microbatches on some step. The model's lm_head is untied (Llama / Mistral style):
 the fused head reads it through the PeftModel, which crashed at step 1 before the head shared the norm's unit. Runs examples/grpo.py as tests/grpo/test_grpo_parity.py
@@ -8,14 +8,10 @@ does, with ``--use_peft``."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-
-from odc_hf.testing import accelerate_cpu
-
-ROOT = Path(__file__).resolve().parents[2]
+from example_scripts import grpo_run
 
 LOSS_TYPES = ("dapo", "grpo")  # a global-token normaliser and a per-sequence one
 COMMON = ["--fixed_rollouts", "--max_steps", "4", "--loss_type", ",".join(LOSS_TYPES), "--beta", "0.05",
@@ -25,11 +21,7 @@ COMMON = ["--fixed_rollouts", "--max_steps", "4", "--loss_type", ",".join(LOSS_T
 
 
 def launch(tmp_path: Path, name: str, *extra: str) -> dict:
-    out = tmp_path / name
-    proc = accelerate_cpu(ROOT / "examples/grpo.py", "--output_dir", out, "--losses_json", out / "losses.json", *extra,
-                          env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads((out / "losses.json").read_text())
+    return grpo_run(tmp_path / name, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """tests/support/vllm_runs.py, the runner of the vLLM GPU test (tests/gpu/test_grpo_vllm_gpu.py), on CPU with ``--stand_in``
 (odc_hf/testing/vllm_fake.py's engine: vLLM's stacked ``qkv_proj`` / ``gate_up_proj`` layout and ``load_weights`` contract),
-each run a fresh process as on the GPU, checked with the GPU test's own checks (``sync_problems``,
+each run a fresh process as on the GPU (forked from the test process's fork server:
+tests/support/launched.py), checked with the GPU test's own checks (``sync_problems``,
 ``start_problems``, ``key_problems``, ``prompt_problems``): ODCGRPOTrainer and TRL's GRPOTrainer at world 1, ODC with
 sleep mode and LoRA, ODC with its sync switched off (the negative control), ODC on 2 CPU ranks.
 
@@ -11,13 +12,11 @@ rounding, and 16 completion tokens at most to stay quick.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import sft_runs
+from launched import run_launched, run_plain
 from vllm_runs import (
     TRL_VLLM_KEYS,
     key_problems,
@@ -28,18 +27,14 @@ from vllm_runs import (
     sync_problems,
 )
 
-from odc_hf.testing import accelerate_cpu
-
-ROOT = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).resolve().parents[2] / "tests/support/vllm_runs.py"
 STEPS = 3
 COMMON = ("--stand_in", "--eos_prone", "--max_completion_length", "16")
 
 
 def _one_process(out: Path, trainer: str, *args) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/support/vllm_runs.py"), trainer, str(out), *COMMON, *args],
-                          env={**os.environ, **sft_runs.launch_env(), "ACCELERATE_USE_CPU": "true"},
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_plain(RUNNER, trainer, out, *COMMON, *args, env={**sft_runs.launch_env(), "ACCELERATE_USE_CPU": "true"},
+              timeout_s=600)  # fmt: skip
     return {**json.loads((out / "rank0.json").read_text()), "out": str(out)}
 
 
@@ -49,9 +44,7 @@ def runs(tmp_path_factory):
     result = {name: _one_process(base / name, trainer, *args) for name, (trainer, args) in {
         "odc": ("odc", ()), "trl": ("trl", ()), "lora_sleep": ("odc", ("--sleep", "--peft")),
         "no_sync": ("odc", ("--no_sync", "--steps", "1"))}.items()}  # fmt: skip
-    proc = accelerate_cpu(ROOT / "tests/support/vllm_runs.py", "odc", base / "two", *COMMON, env=sft_runs.launch_env(),
-                          cwd=ROOT, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_launched(RUNNER, "odc", base / "two", *COMMON, env=sft_runs.launch_env(), timeout_s=600)
     result["two"] = [json.loads((base / "two" / f"rank{r}.json").read_text()) for r in range(2)]
     return result
 

@@ -18,3 +18,16 @@ def load_example(name: str):
         sys.modules[module_name] = module
         spec.loader.exec_module(module)
     return sys.modules[module_name]
+
+
+def grpo_run(out: Path, *args) -> dict:
+    """``accelerate launch --config_file accelerate_configs/cpu.yaml examples/grpo.py --output_dir OUT --losses_json
+    OUT/losses.json ARGS`` on 2 CPU ranks forked from the test process's fork server (tests/support/launched.py);
+    returns the run's losses.json."""
+    import json
+
+    from launched import run_launched
+
+    out = Path(out)
+    run_launched(EXAMPLES / "grpo.py", "--output_dir", out, "--losses_json", out / "losses.json", *args)
+    return json.loads((out / "losses.json").read_text())

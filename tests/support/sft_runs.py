@@ -8,6 +8,9 @@ reference serves every layout.
         [--zero_rank_first_step] [--save_steps N] [--resume_from_checkpoint DIR] [--then_resume_from STEP]
     python tests/support/sft_runs.py trl OUT [--save_steps N]
 
+(the tests run both in processes forked from their fork server, with the environment those commands give:
+:func:`launch`, :func:`one_process`).
+
 Both write ``OUT/losses.json``: ``history`` (the Trainer's per-step log: step, loss, grad_norm) and, for ODC,
 ``microbatches`` (per step, every rank's microbatch count, from ``trainer.odc_stats``) and ``mesh`` (the ranks of the
 model's device mesh: rows are shard groups). ``--then_resume_from STEP`` then builds a fresh trainer (new model,
@@ -235,24 +238,19 @@ def launch_env() -> dict:
 
 
 def launch(script: str, *args, config: str = "cpu.yaml") -> None:
-    """``accelerate launch`` of ``tests/support/<script>`` on CPU processes: 2 with accelerate_configs/cpu.yaml, 4 as
-    "2 nodes x 2 ranks" (HSDP) with cpu_hsdp.yaml."""
-    from odc_hf.testing import accelerate_cpu
+    """``tests/support/<script>`` on the CPU processes ``accelerate launch`` starts with ``config`` (2 with
+    accelerate_configs/cpu.yaml, 4 as "2 nodes x 2 ranks" (HSDP) with cpu_hsdp.yaml), in ranks forked from the test
+    process's fork server with the launcher's environment (tests/support/launched.py)."""
+    from launched import run_launched
 
-    proc = accelerate_cpu(ROOT / "tests" / "support" / script, *args, env=launch_env(), config=config, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_launched(ROOT / "tests" / "support" / script, *args, config=config, env=launch_env())
 
 
 def one_process(script: str, *args) -> None:
-    """``python tests/support/<script>`` in one plain process: no launcher, no process group."""
-    import os
-    import subprocess
-    import sys
+    """``python tests/support/<script>`` in one plain process (no launcher, no process group), forked likewise."""
+    from launched import run_plain
 
-    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}, **launch_env()}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / script), *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_plain(ROOT / "tests" / "support" / script, *args, env=launch_env())
 
 
 def odc_run(out: Path, *args: str, config: str = "cpu.yaml") -> dict:

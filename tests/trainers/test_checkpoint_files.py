@@ -1,4 +1,4 @@
-"""The CPU-sharded save path writes the files TRL's own run writes (2 CPU processes through accelerate launch), in the
+"""The CPU-sharded save path writes the files TRL's own run writes (2 CPU processes as accelerate launch starts them), in the
 output directory (``trainer.save_model()``) and in every checkpoint, so tools that read them (``training_args.bin``,
 ``trainer_state.json``, the tokenizer, ...) keep working. The differences: the optimizer, saved shard by shard
 (``odc_optimizer/``, torch.distributed.checkpoint) instead of ``optimizer.pt``, and the completion marker
@@ -6,15 +6,12 @@ output directory (``trainer.save_model()``) and in every checkpoint, so tools th
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 
 import pytest
+from launched import run_launched
 
-from odc_hf.testing import accelerate_cpu
-
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent(
     """
     import sys
@@ -46,9 +43,7 @@ def files(directory: Path) -> set[str]:
 def test_cpu_sharded_save_writes_the_files_trl_writes(tmp_path):
     script = tmp_path / "save_both.py"
     script.write_text(SCRIPT)
-    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = accelerate_cpu(script, tmp_path / "out", env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_launched(script, tmp_path / "out", timeout_s=600)  # 2 CPU ranks, as accelerate launch starts them
     trl, odc = files(tmp_path / "out/trl"), files(tmp_path / "out/odc")
     assert "training_args.bin" in trl and "checkpoint-2/training_args.bin" in trl  # what the comparison is about
     sharded_optimizer = {f for f in odc if f.startswith("checkpoint-2/odc_optimizer/")}

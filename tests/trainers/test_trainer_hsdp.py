@@ -8,8 +8,8 @@
 - A shard group spanning nodes, a 3-D mesh, tensor / context parallel dims and pure replication are refused before
   accelerate builds anything, with what to set instead; odc_hsdp.yaml launches 2 nodes x 8 GPUs as a 2 x 8 mesh.
 
-One launch only (4 processes importing torch + transformers + TRL cost ~40 s on 2 cores): it trains, then resumes
-from its checkpoint in the same processes (``sft_runs.py --then_resume_from``).
+One launch only (4 processes, as accelerate launches them, forked: tests/support/launched.py): it trains, then
+resumes from its checkpoint in the same processes (``sft_runs.py --then_resume_from``).
 """
 
 from __future__ import annotations

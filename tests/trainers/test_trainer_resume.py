@@ -1,7 +1,8 @@
-"""Trainer checkpoint + resume with ODC (2 CPU processes through `accelerate launch`): a run saves at step 3
-(model, sharded optimizer, scheduler, RNG, sampler position); a second job resumes from that checkpoint and trains
-steps 4-6. Both are compared with an uninterrupted run of TRL's own SFTTrainer in one process on the whole
-minibatches (tests/support/sft_runs.py): per-step losses, gradient norms, and the checkpointed weights themselves."""
+"""Trainer checkpoint + resume with ODC (2 CPU processes as `accelerate launch` starts them, forked:
+tests/support/launched.py): a run saves at step 3 (model, sharded optimizer, scheduler, RNG, sampler position); a
+second job resumes from that checkpoint and trains steps 4-6. Both are compared with an uninterrupted run of TRL's
+own SFTTrainer in one process on the whole minibatches (tests/support/sft_runs.py): per-step losses, gradient norms,
+and the checkpointed weights themselves."""
 
 from __future__ import annotations
 

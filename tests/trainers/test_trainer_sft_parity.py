@@ -1,7 +1,8 @@
-"""ODCSFTTrainer (2 CPU processes through `accelerate launch`, ODC, LB-Mini, uneven microbatch counts, and a rank
-that starts training with ZERO microbatches) gives the per-step losses and gradient norms of TRL's own SFTTrainer
-run in one process on each whole minibatch: an independent reference (TRL's padded batches, transformers' sdpa and
-its own loss normalisation; no ODC code, no distribution). The run's timing files hold what the steps did."""
+"""ODCSFTTrainer (2 CPU processes as `accelerate launch` starts them, forked: tests/support/launched.py, ODC, LB-Mini,
+uneven microbatch counts, and a rank that starts training with ZERO microbatches) gives the per-step losses and
+gradient norms of TRL's own SFTTrainer run in one process on each whole minibatch: an independent reference (TRL's
+padded batches, transformers' sdpa and its own loss normalisation; no ODC code, no distribution). The run's timing
+files hold what the steps did."""
 
 from __future__ import annotations
 

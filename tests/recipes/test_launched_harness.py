@@ -1,0 +1,86 @@
+"""The harness that runs the number-only parity runs (tests/support/launched.py) gives a script what a real
+``accelerate launch`` gives it: the same launcher variables, the same accelerate state (distributed type, processes,
+rank) and process group, the script run as ``__main__`` with its arguments. Checked against a real launch of the same
+script; and ``odc_hf.testing.run_process``, its one-process form, runs without rank variables or a process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+from launched import launcher_environment, run_launched, run_plain
+
+from odc_hf.testing import RanksFailed, accelerate_cpu, run_process
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    state = PartialState()
+    launcher = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
+    ranks = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "HF_HUB_OFFLINE",
+             "TOKENIZERS_PARALLELISM")
+    seen = {
+        "env": {k: v for k, v in os.environ.items() if k.startswith(launcher) or k in ranks},
+        "distributed_type": str(state.distributed_type), "processes": state.num_processes,
+        "index": state.process_index, "group": [dist.get_backend(), dist.get_world_size(), dist.get_rank()],
+        "argv": sys.argv[2:], "name": __name__,
+    }
+    with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(seen, f, sort_keys=True)
+    """
+)
+
+
+def _seen(directory, ranks: int) -> list[dict]:
+    return [json.loads((directory / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.slow
+def test_a_forked_launch_gives_the_script_what_accelerate_launch_gives(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    real, forked = tmp_path / "real", tmp_path / "forked"
+    real.mkdir()
+    forked.mkdir()
+    proc = accelerate_cpu(script, real, "--flag", "value", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_launched(script, forked, "--flag", "value", timeout_s=300)
+    expected = _seen(real, 2)
+    assert expected[1]["group"][1:] == [2, 1] and expected[1]["env"]["ACCELERATE_USE_CPU"] == "true", expected
+    assert expected[0]["argv"] == ["--flag", "value"] and expected[0]["name"] == "__main__"
+    assert _seen(forked, 2) == expected  # every field of both ranks, launcher variables included
+
+
+def test_the_hsdp_config_gives_four_processes_and_accelerates_mesh_variables():
+    processes, env = launcher_environment("cpu_hsdp.yaml")
+    assert processes == 4 and env["ACCELERATE_USE_CPU"] == "true"
+    assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "2")
+    assert "PARALLELISM_CONFIG_DP_SHARD_SIZE" not in launcher_environment("cpu.yaml")[1]
+
+
+def _plain(tag):
+    import torch.distributed as dist
+
+    return tag, dist.is_initialized(), {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+
+
+def _fails():
+    raise KeyError("the message")
+
+
+def test_run_process_is_a_plain_process_and_reports_its_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert run_process(_plain, "x") == ("x", False, {"RANK": None, "WORLD_SIZE": None, "MASTER_PORT": None})
+    with pytest.raises(RanksFailed, match="KeyError: 'the message'"):
+        run_process(_fails)
+    script = tmp_path / "exits.py"
+    script.write_text("import sys\nsys.exit(3 if sys.argv[1:] == ['bad'] else 0)\n")
+    run_plain(script, "good")  # exit 0 is a normal end
+    with pytest.raises(RanksFailed, match="SystemExit: 3"):
+        run_plain(script, "bad")

@@ -1,0 +1,107 @@
+"""A script run as ``accelerate launch --config_file accelerate_configs/<config> SCRIPT ARGS`` would run it on CPU, in
+ranks forked from the test process's fork server (``odc_hf.testing.run_ranks``) instead of fresh interpreters.
+
+What the ranks get is what accelerate's launcher gives its processes: the variables accelerate computes from the YAML
+(``prepare_multi_gpu_env``: mixed precision, dynamo, the HSDP mesh of ``cpu_hsdp.yaml``, ...) plus those of
+:func:`odc_hf.testing.accelerate_cpu` (``ACCELERATE_USE_CPU``, offline, one thread), and torchrun's rank, world and
+master variables with the rendezvous store held by the test process (``TORCHELASTIC_USE_AGENT_STORE``): the process
+group is started by what the script runs (accelerate's state), when it runs, as under torchrun. Each rank then runs
+the script as ``__main__`` with its arguments, as the interpreter would (tests/recipes/test_launched_harness.py
+compares a script's view of both). The difference from a real launch is where torch, transformers, accelerate and TRL
+were imported: once, in the fork server, instead of in every process (~10 s of CPU each on the test machine), which
+is what makes the number-only parity runs cheap. The command-line paths themselves (the launcher,
+``python -m odc_hf.run``, an example's own relaunch, the documented recipes) keep their real launches in the tests
+that test them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from odc_hf.testing import run_process, run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# accelerate_cpu's variables (odc_hf/testing/recipes.py), the ones a launched rank of this checkout sees
+_OFFLINE_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+_CPU_ENV = {"ACCELERATE_USE_CPU": "true", **_OFFLINE_ENV}
+
+
+def launcher_environment(config: str = "cpu.yaml") -> tuple[int, dict[str, str]]:
+    """``(processes, variables)``: what ``accelerate launch --config_file accelerate_configs/<config>`` adds to every
+    process's environment, computed by accelerate's own launcher code from the YAML."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    argv = ["--config_file", str(ROOT / "accelerate_configs" / config), "--main_process_port", "0", "script.py"]
+    before = {**os.environ, **_CPU_ENV}
+    saved = dict(os.environ)
+    os.environ.update(_CPU_ENV)  # accelerate reads ACCELERATE_USE_CPU while it validates the command
+    try:
+        args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+        env = prepare_multi_gpu_env(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    added = {k: v for k, v in env.items() if before.get(k) != v}
+    return int(args.nproc_per_node), {**_CPU_ENV, **added}
+
+
+def call_main(script, argv):
+    """``python SCRIPT ARGV``: the file run as ``__main__`` (``runpy``) with ``sys.argv`` set; a ``SystemExit(0)`` is a
+    normal end. Its imports resolve as in the test process (``sys.path`` is the fork server's: the checkout's packages
+    and tests/support), not from the script's own folder."""
+    import runpy
+
+    sys.argv = [str(script), *argv]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
+
+
+def call_module(module: str, argv):
+    """``python -m MODULE ARGV``: the module run as ``__main__`` (``runpy``, as ``-m`` does) with ``sys.argv`` set;
+    a ``SystemExit(0)`` is a normal end."""
+    import runpy
+
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
+
+
+def _rank_main(rank, world_size, script, argv):
+    if script.startswith("-m "):
+        call_module(script[3:], argv)
+    else:
+        call_main(script, argv)
+
+
+def run_launched(script, *args, config: str = "cpu.yaml", env: dict | None = None, timeout_s: float = 900) -> None:
+    """Run ``script`` (a path, or ``"-m MODULE"``) on the processes ``config`` launches, as described above.
+    Raises ``odc_hf.testing.RanksFailed`` with every failing rank's traceback."""
+    processes, launcher_env = launcher_environment(config)
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    run_ranks(_rank_main, processes, str(script), [str(a) for a in args], timeout_s=timeout_s, init_process_group=False,
+              env={**launcher_env, "PYTHONPATH": pythonpath, **(env or {})})  # fmt: skip
+
+
+def run_plain(script, *args, env: dict | None = None, timeout_s: float = 900) -> None:
+    """``python SCRIPT ARGS`` in one plain process (no launcher, no process group), forked from the same server."""
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    run_process(call_main, str(script), [str(a) for a in args], timeout_s=timeout_s,
+                env={**_OFFLINE_ENV, "PYTHONPATH": pythonpath, **(env or {})})  # fmt: skip
+
+
+def run_module_plain(module: str, *args, env: dict | None = None, timeout_s: float = 900) -> None:
+    """``python -m MODULE ARGS`` in one plain process, forked from the same server."""
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    run_process(call_module, module, [str(a) for a in args], timeout_s=timeout_s,
+                env={**_OFFLINE_ENV, "PYTHONPATH": pythonpath, **(env or {})})  # fmt: skip
