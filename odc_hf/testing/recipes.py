@@ -16,7 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["accelerate_cpu", "local_model_and_data", "write_model_and_data"]
+__all__ = ["CPU_LAUNCH_ENV", "accelerate_cpu", "local_model_and_data", "write_model_and_data"]
+
+# What :func:`accelerate_cpu` adds to the environment of its processes: CPU ranks (accelerate_configs/cpu.yaml),
+# one torch thread each, offline.
+CPU_LAUNCH_ENV = {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                  "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
 
 def accelerate_cpu(*args, env: dict | None = None, cwd=None, timeout: float = 600,
@@ -28,8 +33,7 @@ def accelerate_cpu(*args, env: dict | None = None, cwd=None, timeout: float = 60
     (output captured as text). For the tests of this repository.
     """
     root = Path(__file__).resolve().parents[2]  # the checkout: odc_hf/testing/ is two levels down
-    full_env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-                "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}  # fmt: skip
+    full_env = {**os.environ, **CPU_LAUNCH_ENV, **(env or {})}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(root / "accelerate_configs" / config),
            "--main_process_port", "0", *map(str, args)]  # fmt: skip
     return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout)

@@ -21,13 +21,19 @@ import sys
 from pathlib import Path
 
 from odc_hf.testing import run_process, run_ranks
+from odc_hf.testing.recipes import CPU_LAUNCH_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# accelerate_cpu's variables (odc_hf/testing/recipes.py), the ones a launched rank of this checkout sees
-_OFFLINE_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-_CPU_ENV = {"ACCELERATE_USE_CPU": "true", **_OFFLINE_ENV}
+# accelerate_cpu's variables, the ones a launched rank of this checkout sees; a plain process gets them but the first
+_CPU_ENV = CPU_LAUNCH_ENV
+_OFFLINE_ENV = {k: v for k, v in CPU_LAUNCH_ENV.items() if k != "ACCELERATE_USE_CPU"}
+
+
+def _with_checkout(env: dict) -> dict:
+    """``env`` with this checkout first on ``PYTHONPATH`` (for what the runs start in turn)."""
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**env, "PYTHONPATH": pythonpath}
 
 
 def launcher_environment(config: str = "cpu.yaml") -> tuple[int, dict[str, str]]:
@@ -88,20 +94,17 @@ def run_launched(script, *args, config: str = "cpu.yaml", env: dict | None = Non
     """Run ``script`` (a path, or ``"-m MODULE"``) on the processes ``config`` launches, as described above.
     Raises ``odc_hf.testing.RanksFailed`` with every failing rank's traceback."""
     processes, launcher_env = launcher_environment(config)
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     run_ranks(_rank_main, processes, str(script), [str(a) for a in args], timeout_s=timeout_s, init_process_group=False,
-              env={**launcher_env, "PYTHONPATH": pythonpath, **(env or {})})  # fmt: skip
+              env={**_with_checkout(launcher_env), **(env or {})})  # fmt: skip
 
 
 def run_plain(script, *args, env: dict | None = None, timeout_s: float = 900) -> None:
     """``python SCRIPT ARGS`` in one plain process (no launcher, no process group), forked from the same server."""
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     run_process(call_main, str(script), [str(a) for a in args], timeout_s=timeout_s,
-                env={**_OFFLINE_ENV, "PYTHONPATH": pythonpath, **(env or {})})  # fmt: skip
+                env={**_with_checkout(_OFFLINE_ENV), **(env or {})})  # fmt: skip
 
 
 def run_module_plain(module: str, *args, env: dict | None = None, timeout_s: float = 900) -> None:
     """``python -m MODULE ARGS`` in one plain process, forked from the same server."""
-    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     run_process(call_module, module, [str(a) for a in args], timeout_s=timeout_s,
-                env={**_OFFLINE_ENV, "PYTHONPATH": pythonpath, **(env or {})})  # fmt: skip
+                env={**_with_checkout(_OFFLINE_ENV), **(env or {})})  # fmt: skip
