@@ -103,10 +103,16 @@ def rank_device():
     return torch.device("cpu")
 
 
+_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _entry(rank, world_size, port, backend, fn, args, queue, env, init_group=True):
     os.environ.clear()  # the caller's environment now, not the fork server's from when it started
     os.environ.update(env)
-    if backend is not None:
+    if backend is None:  # a plain process: none of a launcher's rank variables, whatever the caller's environment
+        for name in _RANK_VARIABLES:
+            os.environ.pop(name, None)
+    else:
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
             LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),

@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import pytest
-import sft_runs
 from launched import run_launched, run_plain
 from vllm_runs import (
     TRL_VLLM_KEYS,
@@ -33,8 +32,7 @@ COMMON = ("--stand_in", "--eos_prone", "--max_completion_length", "16")
 
 
 def _one_process(out: Path, trainer: str, *args) -> dict:
-    run_plain(RUNNER, trainer, out, *COMMON, *args, env={**sft_runs.launch_env(), "ACCELERATE_USE_CPU": "true"},
-              timeout_s=600)  # fmt: skip
+    run_plain(RUNNER, trainer, out, *COMMON, *args, env={"ACCELERATE_USE_CPU": "true"}, timeout_s=600)
     return {**json.loads((out / "rank0.json").read_text()), "out": str(out)}
 
 
@@ -44,7 +42,7 @@ def runs(tmp_path_factory):
     result = {name: _one_process(base / name, trainer, *args) for name, (trainer, args) in {
         "odc": ("odc", ()), "trl": ("trl", ()), "lora_sleep": ("odc", ("--sleep", "--peft")),
         "no_sync": ("odc", ("--no_sync", "--steps", "1"))}.items()}  # fmt: skip
-    run_launched(RUNNER, "odc", base / "two", *COMMON, env=sft_runs.launch_env(), timeout_s=600)
+    run_launched(RUNNER, "odc", base / "two", *COMMON, timeout_s=600)
     result["two"] = [json.loads((base / "two" / f"rank{r}.json").read_text()) for r in range(2)]
     return result
 

@@ -75,7 +75,7 @@ def _fails():
 
 
 def test_run_process_is_a_plain_process_and_reports_its_error(tmp_path, monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("RANK", "3")  # a launcher's variable in the caller's environment: not passed on
     assert run_process(_plain, "x") == ("x", False, {"RANK": None, "WORLD_SIZE": None, "MASTER_PORT": None})
     with pytest.raises(RanksFailed, match="KeyError: 'the message'"):
         run_process(_fails)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import lora_recipe_runs as recipe
 import pytest
 import sft_runs
-from launched import run_module_plain
+from launched import run_plain
 from recipe_checks import assert_same_tokenizer
 
 from odc_hf.testing import accelerate_cpu
@@ -25,8 +25,7 @@ def test_lora_recipe_on_two_ranks_equals_trls_recipe_in_one_process(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert "odc/bubble_rate" in proc.stdout + proc.stderr  # ODC's trainer ran (its step metrics are logged)
     # `python -m trl.scripts.sft ...` in one plain process (forked: tests/support/launched.py)
-    run_module_plain("trl.scripts.sft", *recipe.reference_args(model_dir, ordered, tmp_path / "trl"),
-                     env=sft_runs.launch_env())  # fmt: skip
+    run_plain("-m trl.scripts.sft", *recipe.reference_args(model_dir, ordered, tmp_path / "trl"))
     odc, trl = recipe.history(tmp_path / "odc"), recipe.history(tmp_path / "trl")
     assert [h["step"] for h in odc] == [h["step"] for h in trl] == list(range(1, recipe.STEPS + 1))
     # fp32, the same samples per step, other microbatches and summation order: measured 8.0e-8 (losses) and 1.2e-7

@@ -25,8 +25,8 @@ from odc_hf.testing.recipes import CPU_LAUNCH_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# accelerate_cpu's variables, the ones a launched rank of this checkout sees; a plain process gets them but the first
-_CPU_ENV = CPU_LAUNCH_ENV
+# accelerate_cpu's variables (CPU_LAUNCH_ENV) are the ones a launched rank of this checkout sees; a plain process gets
+# them but the first
 _OFFLINE_ENV = {k: v for k, v in CPU_LAUNCH_ENV.items() if k != "ACCELERATE_USE_CPU"}
 
 
@@ -43,9 +43,9 @@ def launcher_environment(config: str = "cpu.yaml") -> tuple[int, dict[str, str]]
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     argv = ["--config_file", str(ROOT / "accelerate_configs" / config), "--main_process_port", "0", "script.py"]
-    before = {**os.environ, **_CPU_ENV}
+    before = {**os.environ, **CPU_LAUNCH_ENV}
     saved = dict(os.environ)
-    os.environ.update(_CPU_ENV)  # accelerate reads ACCELERATE_USE_CPU while it validates the command
+    os.environ.update(CPU_LAUNCH_ENV)  # accelerate reads ACCELERATE_USE_CPU while it validates the command
     try:
         args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
         env = prepare_multi_gpu_env(args)
@@ -53,41 +53,30 @@ def launcher_environment(config: str = "cpu.yaml") -> tuple[int, dict[str, str]]
         os.environ.clear()
         os.environ.update(saved)
     added = {k: v for k, v in env.items() if before.get(k) != v}
-    return int(args.nproc_per_node), {**_CPU_ENV, **added}
+    return int(args.nproc_per_node), {**CPU_LAUNCH_ENV, **added}
 
 
-def call_main(script, argv):
-    """``python SCRIPT ARGV``: the file run as ``__main__`` (``runpy``) with ``sys.argv`` set; a ``SystemExit(0)`` is a
-    normal end. Its imports resolve as in the test process (``sys.path`` is the fork server's: the checkout's packages
-    and tests/support), not from the script's own folder."""
+def run_as_main(target: str, argv) -> None:
+    """``python TARGET ARGV`` (a script path) or ``python -m MODULE ARGV`` (``target`` = ``"-m MODULE"``): run as
+    ``__main__`` by ``runpy`` with ``sys.argv`` set; a ``SystemExit(0)`` is a normal end. Imports resolve as in the test
+    process (``sys.path`` is the fork server's: the checkout's packages and tests/support), not from a script's own
+    folder."""
     import runpy
 
-    sys.argv = [str(script), *argv]
+    module = target[3:] if target.startswith("-m ") else None
+    sys.argv = [module or target, *argv]
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
     except SystemExit as stop:
         if stop.code not in (None, 0):
             raise
 
 
-def call_module(module: str, argv):
-    """``python -m MODULE ARGV``: the module run as ``__main__`` (``runpy``, as ``-m`` does) with ``sys.argv`` set;
-    a ``SystemExit(0)`` is a normal end."""
-    import runpy
-
-    sys.argv = [module, *argv]
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as stop:
-        if stop.code not in (None, 0):
-            raise
-
-
-def _rank_main(rank, world_size, script, argv):
-    if script.startswith("-m "):
-        call_module(script[3:], argv)
-    else:
-        call_main(script, argv)
+def _rank_main(rank, world_size, target, argv):
+    run_as_main(target, argv)
 
 
 def run_launched(script, *args, config: str = "cpu.yaml", env: dict | None = None, timeout_s: float = 900) -> None:
@@ -98,13 +87,8 @@ def run_launched(script, *args, config: str = "cpu.yaml", env: dict | None = Non
               env={**_with_checkout(launcher_env), **(env or {})})  # fmt: skip
 
 
-def run_plain(script, *args, env: dict | None = None, timeout_s: float = 900) -> None:
-    """``python SCRIPT ARGS`` in one plain process (no launcher, no process group), forked from the same server."""
-    run_process(call_main, str(script), [str(a) for a in args], timeout_s=timeout_s,
-                env={**_with_checkout(_OFFLINE_ENV), **(env or {})})  # fmt: skip
-
-
-def run_module_plain(module: str, *args, env: dict | None = None, timeout_s: float = 900) -> None:
-    """``python -m MODULE ARGS`` in one plain process, forked from the same server."""
-    run_process(call_module, module, [str(a) for a in args], timeout_s=timeout_s,
+def run_plain(target, *args, env: dict | None = None, timeout_s: float = 900) -> None:
+    """``python TARGET ARGS`` (a script path, or ``"-m MODULE"``) in one plain process (no launcher, no process
+    group), forked from the same server."""
+    run_process(run_as_main, str(target), [str(a) for a in args], timeout_s=timeout_s,
                 env={**_with_checkout(_OFFLINE_ENV), **(env or {})})  # fmt: skip

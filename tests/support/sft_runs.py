@@ -243,14 +243,14 @@ def launch(script: str, *args, config: str = "cpu.yaml") -> None:
     process's fork server with the launcher's environment (tests/support/launched.py)."""
     from launched import run_launched
 
-    run_launched(ROOT / "tests" / "support" / script, *args, config=config, env=launch_env())
+    run_launched(ROOT / "tests" / "support" / script, *args, config=config)
 
 
 def one_process(script: str, *args) -> None:
     """``python tests/support/<script>`` in one plain process (no launcher, no process group), forked likewise."""
     from launched import run_plain
 
-    run_plain(ROOT / "tests" / "support" / script, *args, env=launch_env())
+    run_plain(ROOT / "tests" / "support" / script, *args)
 
 
 def odc_run(out: Path, *args: str, config: str = "cpu.yaml") -> dict:
