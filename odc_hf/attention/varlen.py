@@ -262,9 +262,18 @@ def _bucketed(t: torch.Tensor, length: int) -> torch.Tensor:
     return buffer
 
 
+def implementation_name(model: torch.nn.Module) -> str | None:
+    """The attention implementation a transformers model runs, or None for a module without a config.
+
+    transformers has no public getter for it (5.17 to 5.25): this is odc_hf's one read of the config's private
+    ``_attn_implementation`` (listed in ``odc_hf.integrations.upstream.transformers.PRIVATE_ATTRIBUTES``, whose
+    surface test checks it on the installed release; the integration reads it through that module)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
 def attention_of(model: torch.nn.Module) -> VarlenAttention | None:
     """The :class:`VarlenAttention` a model's ``attn_implementation`` names, or None when it uses another attention."""
-    return setting_named(getattr(getattr(model, "config", None), "_attn_implementation", None))
+    return setting_named(implementation_name(model))
 
 
 def setting_named(name: str | None) -> VarlenAttention | None:

@@ -42,6 +42,9 @@ def test_private_attributes_exist():
     assert hasattr(transformers.PreTrainedModel, "_supports_flash_attn") and tv.supports_flash_attention(model)
     assert hasattr(transformers.PreTrainedModel, "_supports_sdpa") and tv.supports_sdpa(model)
     assert not tv.supports_sdpa(transformers.GptOssForCausalLM)  # no SDPA: the sinks (eager_varlen instead)
+    for name in tv.PRIVATE_ATTRIBUTES["PreTrainedModel"]:  # odc_hf.fsdp's units: _no_split_modules
+        assert hasattr(transformers.PreTrainedModel, name), name
+    assert "Qwen2DecoderLayer" in model._no_split_modules
     enable_checkpointing(model, 1)  # transformers' own switch, the name of this transformers version
     layers = [m for m in model.modules() if isinstance(m, transformers.GradientCheckpointingLayer)]
     assert layers and all(tv.checkpointing_installed(layer) for layer in layers)

@@ -22,6 +22,7 @@ from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import is_flash_attn_4_available
 
+from odc_hf.attention.varlen import implementation_name
 from odc_hf.version import TESTED, warn_if_untested
 
 TESTED_TRANSFORMERS = TESTED["transformers"]
@@ -50,7 +51,8 @@ SUBMODULE_NAMES = {
 
 PRIVATE_ATTRIBUTES = {
     "PretrainedConfig": ("_attn_implementation",),  # the model's attention implementation (read; set publicly)
-    "PreTrainedModel": ("_supports_flash_attn", "_supports_sdpa"),  # whether a model can run flash attention / SDPA
+    "PreTrainedModel": ("_supports_flash_attn", "_supports_sdpa",  # whether a model can run flash attention / SDPA
+                        "_no_split_modules"),  # the decoder-layer classes odc_hf.fsdp shards as units
     "GradientCheckpointingLayer": ("_gradient_checkpointing_func",),  # whether checkpointing was enabled
 }
 """Private attributes odc_hf reads, by the transformers class that holds them (``_gradient_checkpointing_func``
@@ -58,8 +60,11 @@ exists once checkpointing is enabled)."""
 
 
 def attn_implementation(model) -> str | None:
-    """The attention implementation a transformers model runs (its config's ``_attn_implementation``), or None."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+    """The attention implementation a transformers model runs (its config's ``_attn_implementation``), or None.
+
+    The read itself lives in the lower layer that needs it too (``odc_hf.attention.varlen.implementation_name``):
+    one place in odc_hf touches the private name."""
+    return implementation_name(model)
 
 
 def supports_flash_attention(model) -> bool:
