@@ -44,6 +44,10 @@ Other parts: ``lora`` (T vs O, the same ``peft_config``, Tulu-like), ``grpo`` (T
 spread 32x (TRL's public ``rollout_func``), then steps with ``generate()``), ``resume`` (O saves at step k; a new
 process resumes from the checkpoint and repeats steps k+1..; losses side by side).
 
+``--device_memory_gib 80`` runs every variant as on an 80 GB card (each child's CUDA memory capped there, and the
+ODC variants' activation-checkpointing plan made for it); the report's "predicted peak" column is the plan's
+prediction and "peak" the allocator's measurement.
+
 Results are written as each variant finishes (``OUT/single_gpu_runs/<part>/<variant>.json``) and the report is
 rewritten after each: a killed run still leaves its data. Report: ``single_gpu_<hw>_<date>.{md,json}`` and
 ``single_gpu_<hw>_<date>.png`` (loss curves and step times) under ``--out``.
@@ -104,6 +108,10 @@ def parse_args(argv=None):
     p.add_argument("--resume_at", type=int, default=3, help="resume part: save at this step, train as many again")
     p.add_argument("--model", default=None, help="1.5B (GPU default) or tiny (CPU default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device_memory_gib", type=float, default=None,
+                   help="run every variant as on a card of this many GiB: the CUDA memory of each child is capped "
+                        "there (torch.cuda.set_per_process_memory_fraction) and the ODC variants plan with it "
+                        "(ODCConfig.device_memory_gib); e.g. 80 on an H200 for an H100's memory")
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps per variant, fp32, sdpa (CPU test)")
     p.add_argument("--out", default=os.environ.get("OUT") or str(report.RESULTS / "single_gpu"))
     p.add_argument("--work", default=None,

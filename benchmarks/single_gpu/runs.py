@@ -27,6 +27,18 @@ ENV_VARIANTS = {
 }
 
 
+def cap_device_memory(args) -> None:
+    """In this (child) process: cap CUDA memory at ``--device_memory_gib`` (a smaller card on a larger one)."""
+    import torch
+
+    gib = getattr(args, "device_memory_gib", None)
+    if gib and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        if gib * GIB > total:
+            raise ValueError(f"--device_memory_gib {gib} is more than this GPU's {total / GIB:.1f} GiB")
+        torch.cuda.set_per_process_memory_fraction(gib * GIB / total)
+
+
 def fa4_available() -> bool:
     import transformers.utils
 
@@ -277,6 +289,7 @@ def run_sft_variant(args, variant: str, data: dict, out: Path, *, peft: bool = F
     steps = steps or len(data["groups"])
     if variant in ENV_VARIANTS:  # this child only (forked): before anything starts CUDA here
         os.environ.update(ENV_VARIANTS[variant])
+    cap_device_memory(args)
     best = "flash_attention_4" if fa4_available() else "sdpa"
     liger = liger_available() and torch.cuda.is_available()
     extra = {"peft_config": lora_config()} if peft else {}
@@ -314,7 +327,8 @@ def run_sft_variant(args, variant: str, data: dict, out: Path, *, peft: bool = F
         cls = odc_sft_trainer(data["groups"])
         trainer = cls(model=m, args=odc_args,
                       train_dataset=Dataset.from_dict({"input_ids": data["ids"]}), processing_class=tokenizer(),
-                      odc_config=ODCConfig(max_tokens_per_microbatch=data["max_length"], attention=choice),
+                      odc_config=ODCConfig(max_tokens_per_microbatch=data["max_length"], attention=choice,
+                                           device_memory_gib=getattr(args, "device_memory_gib", None)),
                       **extra)  # fmt: skip
         attention = (trainer.odc_attention or {}).get("implementation", choice)
         path = None

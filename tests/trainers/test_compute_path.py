@@ -313,6 +313,67 @@ def test_calibration_copies_of_a_peft_model_keep_its_adapter(peft, tied):
     assert all(p.grad is not None for p in small.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize(
+    "mixed_precision, param_dtype, sharded, expected",
+    [("bf16", torch.float32, False, torch.bfloat16), ("fp16", torch.float32, False, torch.float16),
+     ("bf16", torch.float32, True, None), ("bf16", torch.bfloat16, False, None), ("no", torch.float32, False, None),
+     (None, torch.float32, False, None)],
+)  # fmt: skip
+def test_the_calibration_runs_autocast_where_training_does(mixed_precision, param_dtype, sharded, expected):
+    """One process with mixed precision over float32 parameters is accelerate's plain autocast; FSDP2 (several
+    processes) gathers the parameters in the compute dtype, and half-precision parameters need no autocast."""
+    assert activation_checkpointing.autocast_over_full_precision(mixed_precision, param_dtype, sharded) == expected
+
+
+def _saved_bytes_per_token(model, autocast) -> float:
+    """Bytes autograd saves for backward per token (distinct storages, rows of 64 and 128 tokens)."""
+    sizes = []
+    for tokens in (64, 128):
+        seen = {}
+
+        def pack(t, seen=seen):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            activation_checkpointing.calibration_step(model, tokens, fused_head.FULL_LOGITS, torch.device("cpu"), autocast)
+        sizes.append(sum(seen.values()))
+    return (sizes[1] - sizes[0]) / 64
+
+
+def test_calibration_under_autocast_sees_the_float32_residual_stream_and_the_weight_copies():
+    """The calibration step runs as one-process mixed-precision training does (float32 parameters under autocast):
+    the layers' matmuls in bf16, the gradients float32, and more saved per token than the same model in bf16 (the
+    residual stream stays float32). Broken twin: the step without autocast on the float32 copy computes float32.
+    resident_bytes adds the weight copies autocast keeps (2 bytes per parameter at bf16) on one process only."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)  # fmt: skip
+    torch.manual_seed(0)
+    full_precision = Qwen2ForCausalLM(config).train()
+    half = Qwen2ForCausalLM(config).to(torch.bfloat16).train()
+    seen = []
+    hook = full_precision.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    activation_checkpointing.calibration_step(full_precision, 16, fused_head.FULL_LOGITS, torch.device("cpu"), torch.bfloat16)
+    activation_checkpointing.calibration_step(full_precision, 16, fused_head.FULL_LOGITS, torch.device("cpu"), None)  # twin
+    hook.remove()
+    assert seen == [torch.bfloat16, torch.float32]
+    assert all(p.dtype == torch.float32 for p in full_precision.parameters())
+    under_autocast = _saved_bytes_per_token(full_precision, torch.bfloat16)
+    in_bf16 = _saved_bytes_per_token(half, None)
+    print(f"saved per token: {under_autocast:.0f} B under autocast over float32, {in_bf16:.0f} B in bf16")
+    assert under_autocast > 1.1 * in_bf16, (under_autocast, in_bf16)
+
+    params = sum(p.numel() for p in full_precision.parameters())
+    plan = dict(compute_dtype=torch.bfloat16, odc=False)
+    one, one_autocast = (activation_checkpointing.resident_bytes(full_precision, world_size=1, autocast=a, **plan)
+                         for a in (None, torch.bfloat16))  # fmt: skip
+    assert one[0] == one_autocast[0] and one[1] == 0.0 and one_autocast[1] == 2 * params
+    two = activation_checkpointing.resident_bytes(full_precision, world_size=2, autocast=None, **plan)
+    assert two == activation_checkpointing.resident_bytes(full_precision, world_size=2, autocast=torch.bfloat16, **plan)
+
+
 def _tiny_moe(dtype=torch.float32):
     import transformers
 

@@ -82,18 +82,39 @@ def checkpointed_count(policy: str, num_layers: int) -> int:
     return layers_to_checkpoint(float(policy), num_layers)
 
 
-def _peak_bytes(model, tokens: int, loss: str, device: torch.device) -> float:
-    """Peak allocated bytes above the resident ones during forward + backward of one random row."""
+def autocast_over_full_precision(mixed_precision: str | None, param_dtype: torch.dtype, sharded: bool) -> torch.dtype | None:
+    """The autocast dtype when training computes in half precision over float32 parameters that no FSDP
+    ``param_dtype`` casts first (one process: accelerate's plain autocast), else None.
+
+    That regime keeps more than a half-precision model would: the residual stream stays float32 (the embedding's
+    output is float32 and every layer adds onto it), and autocast's half-precision copies of the weights live from
+    their first use in forward until backward has used them (measured on CPU autocast, a Qwen2 of hidden size 256:
+    31.7 KB of saved activations per token against 25.8 KB for the same model in bf16, plus a copy of the weights).
+    Under FSDP2 with mixed precision the gathered parameters are half precision already: neither applies."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(mixed_precision))
+    if dtype is None or sharded or param_dtype in (torch.float16, torch.bfloat16):
+        return None
+    return dtype
+
+
+def calibration_step(model, tokens: int, loss: str, device: torch.device, autocast: torch.dtype | None = None):
+    """Forward + backward of one random row of ``tokens`` tokens, as training runs it (under ``autocast`` when set)."""
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+    kwargs = {"fused_lm_head": True} if loss == TRL_FUSED_HEAD else {}
+    with torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = model(input_ids=ids, labels=ids, **kwargs)
+    out.loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _peak_bytes(model, tokens: int, loss: str, device: torch.device, autocast: torch.dtype | None = None) -> float:
+    """Peak allocated bytes above the resident ones during forward + backward of one random row."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    kwargs = {"fused_lm_head": True} if loss == TRL_FUSED_HEAD else {}
-    model(input_ids=ids, labels=ids, **kwargs).loss.backward()
+    calibration_step(model, tokens, loss, device, autocast)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    model.zero_grad(set_to_none=True)
-    return float(peak)
+    return float(torch.cuda.max_memory_allocated(device) - base)
 
 
 def config_with_layers(config, layers: int):
@@ -137,7 +158,7 @@ def small_copy(model, layers: int, *, device, dtype: torch.dtype, kernels: str, 
 
 
 def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: str, tokens: int,
-                     kernel_config: dict | None = None) -> MemoryModel:  # fmt: skip
+                     kernel_config: dict | None = None, autocast: torch.dtype | None = None) -> MemoryModel:  # fmt: skip
     """Per-token memory terms of ``model``'s architecture on ``device`` (CUDA), with the run's kernels and loss.
 
     Builds 2- and 4-layer copies of the architecture (random weights, ``dtype``), runs forward + backward of rows
@@ -146,6 +167,9 @@ def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: s
     the peak can fall in another phase of the step, e.g. inside Liger's fused loss, which computes its gradients
     in the forward, and a 1- vs 2-layer fit overestimated the peak: docs/benchmarks.md.) ``fixed_bytes`` is the
     library workspace (gradients of the copies removed); ``static_bytes`` is 0: the caller adds its own resident state.
+    ``autocast``: the run computes under autocast over parameters of ``dtype`` (:func:`autocast_over_full_precision`);
+    the copies then run so too, and the weight copies autocast makes are left out of the workspace
+    (:func:`resident_bytes` adds the whole model's).
     """
     device = torch.device(device)
     if device.index is None:
@@ -157,12 +181,13 @@ def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: s
         small = small_copy(model, layers, device=device, dtype=dtype, kernels=kernels, loss=loss,
                            kernel_config=kernel_config)  # fmt: skip
         grads = sum(p.numel() * p.element_size() for p in small.parameters() if p.requires_grad)
+        copies = weight_copy_bytes(small, autocast)
         for checkpointed in (0, layers):
             enable_checkpointing(small, checkpointed)
-            _peak_bytes(small, t1, loss, device)  # warm-up: kernels, workspaces, autotuning
-            low, high = (_peak_bytes(small, t, loss, device) for t in (t1, t2))
+            _peak_bytes(small, t1, loss, device, autocast)  # warm-up: kernels, workspaces, autotuning
+            low, high = (_peak_bytes(small, t, loss, device, autocast) for t in (t1, t2))
             slopes[layers, checkpointed > 0] = slope = (high - low) / (t2 - t1)
-            workspace = max(workspace, low - slope * t1 - grads)
+            workspace = max(workspace, low - slope * t1 - grads - copies)
         del small
         torch.cuda.empty_cache()
     low, high = CALIBRATION_LAYERS
@@ -175,15 +200,24 @@ def calibrate_memory(model, *, device, dtype: torch.dtype, kernels: str, loss: s
                        other_bytes_per_token=other, fixed_bytes=max(0.0, workspace))  # fmt: skip
 
 
+def weight_copy_bytes(model, autocast: torch.dtype | None) -> float:
+    """Bytes of the half-precision weight copies autocast makes of ``model``'s parameters in one forward (all of
+    them counted: the embedding too, whose tied head is cast for the logits), 0 without autocast."""
+    if autocast is None:
+        return 0.0
+    return float(sum(p.numel() for p in model.parameters() if p.is_floating_point()) * autocast.itemsize)
+
+
 def resident_bytes(model, *, world_size: int, compute_dtype: torch.dtype, odc: bool,
-                   optimizer_states: int = 2) -> tuple[float, float]:  # fmt: skip
+                   optimizer_states: int = 2, autocast: torch.dtype | None = None) -> tuple[float, float]:  # fmt: skip
     """``(static, fixed)`` bytes of a rank's FSDP2 layout, from parameter counts (before sharding).
 
     static: sharded master parameters and gradients (the parameters' dtype), ``optimizer_states`` fp32 states per
     trainable element (AdamW: 2), and under ODC the bf16 staging shard and the fp32 accumulator. fixed: what is
     unsharded during a microbatch: the embedding/head unit (kept gathered from forward to backward), two decoder
     layers in flight (prefetch), each with its compute-dtype gradient and fp32 reduce copy. One process: no sharding,
-    nothing in flight.
+    nothing in flight, but under ``autocast`` over full-precision parameters the weight copies autocast keeps from
+    forward to backward (:func:`weight_copy_bytes`).
     """
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
@@ -191,7 +225,7 @@ def resident_bytes(model, *, world_size: int, compute_dtype: torch.dtype, odc: b
     master = params[0].element_size() if params else 4
     static = (total * master + trainable * (master + 4 * optimizer_states)) / world_size
     if world_size == 1:
-        return float(static), 0.0
+        return float(static), weight_copy_bytes(model, autocast)
     if odc:
         static += (total * compute_dtype.itemsize + trainable * 4) / world_size
     layers = decoder_layers(model)
@@ -203,8 +237,9 @@ def resident_bytes(model, *, world_size: int, compute_dtype: torch.dtype, odc: b
 
 def plan_checkpointing(path: ComputePath, model, *, policy: str, tokens: int, device: torch.device,
                        compute_dtype: torch.dtype, world_size: int, odc: bool, device_memory_gib: float | None,
-                       kernel_config: dict | None = None) -> ComputePath:  # fmt: skip
-    """Decide and apply checkpointing for microbatches of up to ``tokens`` tokens; fill in ``path``."""
+                       kernel_config: dict | None = None, autocast: torch.dtype | None = None) -> ComputePath:  # fmt: skip
+    """Decide and apply checkpointing for microbatches of up to ``tokens`` tokens; fill in ``path``. ``autocast``:
+    see :func:`autocast_over_full_precision` (the calibration then runs float32 copies under it)."""
     layers = decoder_layers(model)
     path.num_layers, path.tokens = len(layers), int(tokens)
     if not layers:
@@ -217,9 +252,11 @@ def plan_checkpointing(path: ComputePath, model, *, policy: str, tokens: int, de
     ):  # no allocator statistics to calibrate against: see performance.md
         n = 0
     else:
-        memory = calibrate_memory(model, device=device, dtype=compute_dtype, kernels=path.kernels, loss=path.loss,
-                                  tokens=tokens, kernel_config=kernel_config)  # fmt: skip
-        static, fixed = resident_bytes(model, world_size=world_size, compute_dtype=compute_dtype, odc=odc)
+        copy_dtype = next(model.parameters()).dtype if autocast is not None else compute_dtype
+        memory = calibrate_memory(model, device=device, dtype=copy_dtype, kernels=path.kernels, loss=path.loss,
+                                  tokens=tokens, kernel_config=kernel_config, autocast=autocast)  # fmt: skip
+        static, fixed = resident_bytes(model, world_size=world_size, compute_dtype=compute_dtype, odc=odc,
+                                       autocast=autocast)  # fmt: skip
         memory = dataclasses.replace(memory, static_bytes=static, fixed_bytes=memory.fixed_bytes + fixed,
                                      num_layers=len(layers))  # fmt: skip
         # ranks sharing a GPU (shared_gpu) plan against their share of its memory
@@ -260,10 +297,13 @@ def plan(trainer, max_tokens_per_microbatch: int) -> None:
         model = accelerator.unwrap_model(trainer.model)
         param = next(model.parameters())
         dtype = attention_dtype(accelerator.mixed_precision, param.dtype) or param.dtype
+        # several processes: FSDP2 gathers the parameters in the compute dtype (accelerate's MixedPrecisionPolicy)
+        autocast = autocast_over_full_precision(accelerator.mixed_precision, param.dtype,
+                                                sharded=accelerator.num_processes > 1)  # fmt: skip
         plan_checkpointing(path, model, policy=path.checkpointing, tokens=max_tokens_per_microbatch,
                            device=accelerator.device, compute_dtype=dtype, world_size=accelerator.num_processes,
                            odc=trainer.odc_config.enabled and accelerator.num_processes > 1,
                            device_memory_gib=trainer.odc_config.device_memory_gib,
-                           kernel_config=path.kernel_config)  # fmt: skip
+                           kernel_config=path.kernel_config, autocast=autocast)  # fmt: skip
     if accelerator.is_main_process:
         logger.info("odc_hf: microbatch compute path %s", path.describe())
