@@ -9,7 +9,10 @@
 # would switch to it and compile its kernels). Groups that use no CUDA IPC (zoo, vllm's world-1 runs) can run beside
 # others in parallel (two invocations after install); shm compares /dev/shm before and after: run it alone.
 # Groups (a log each under $OUT):
-#   zoo     tests/gpu/test_model_zoo_gpu.py: Gemma 3, GPT-OSS, Qwen3-MoE vs TRL, fp32 and bf16, sdpa_varlen and FA4
+#   zoo     tests/gpu/test_model_zoo_gpu.py: Gemma 3, Gemma 2, GPT-OSS, Qwen3-MoE vs TRL, fp32 and bf16, sdpa_varlen and FA4
+#   fa4     FA4 against sdpa_varlen on packed rows, and attention="auto" against TRL at head dimensions 16 and 64
+#   memory  the 1.5B / 32k LongAlign rows as on an 80 GB card (--device_memory_gib 80): ODC's defaults and TRL's,
+#           6 steps each; the report's predicted vs measured peak (benchmarks/single_gpu/run.py)
 #   shm     tests/gpu/test_gpu_shm_files.py and tests/gpu/test_gpu_shared_entry_points.py (not the vLLM recipe)
 #   vllm    tests/gpu/test_grpo_vllm_gpu.py
 #   recipe  TRL's GRPO recipe with vLLM on ranks sharing the GPU (tests/gpu/test_gpu_shared_entry_points.py -k grpo_recipe)
@@ -56,6 +59,11 @@ for group in "$@"; do
 print('vllm', vllm.__version__, 'fa4', u.is_flash_attn_4_available())" ;;
     zoo) PYTHONPATH=$PYTHONPATH:$FA4_PATH run gpu_zoo.log 560 tests/gpu/test_model_zoo_gpu.py ;;
     readme) run gpu_readme_cmd1.log 300 tests/gpu/test_gpu_shared.py -k readme ;;
+    fa4) PYTHONPATH=$PYTHONPATH:$FA4_PATH run gpu_fa4.log 400 tests/gpu/test_attention_fa4_gpu.py \
+      tests/gpu/test_gpu_one_device.py -k "attention_auto or fa4" ;;
+    memory) PYTHONPATH=$PYTHONPATH:$FA4_PATH timeout 560 python3 -m benchmarks.single_gpu.run --parts sft_longalign \
+      --variants O,T --steps 6 --warmup 2 --device_memory_gib 80 --out "$OUT/memory80" > "$OUT/memory80.log" 2>&1
+      grep -E "ok \(|failed|Error" "$OUT/memory80.log" | tail -4; say memory80 ;;
     shm) run gpu_shm_entry_points.log 480 tests/gpu/test_gpu_shm_files.py tests/gpu/test_gpu_shared_entry_points.py \
       -k "not grpo_recipe" ;;
     vllm) run gpu_vllm.log 540 tests/gpu/test_grpo_vllm_gpu.py ;;

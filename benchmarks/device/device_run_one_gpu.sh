@@ -66,7 +66,7 @@ if [ "$stage" = 4 ]; then
 fi
 if [ "$stage" = 5 ]; then
   timeout 200 python3 -m pytest -m gpu -rP -q -p no:cacheprovider tests/gpu/test_attention_fa4_gpu.py \
-    tests/gpu/test_gpu_one_device.py -k "flash or fa4 or lora" > "$OUT/gpu_tests_fa4.log" 2>&1; tail -2 "$OUT/gpu_tests_fa4.log"
+    tests/gpu/test_gpu_one_device.py -k "flash or fa4 or lora or attention_auto" > "$OUT/gpu_tests_fa4.log" 2>&1; tail -2 "$OUT/gpu_tests_fa4.log"
   say "fa4 tests"
   timeout 360 python3 -m benchmarks.single_gpu.compute_ceiling --attn flash_attention_4,sdpa_varlen --models 1.5B \
     --repeats 7 --out "$OUT" > "$OUT/attention_compare.log" 2>&1; tail -4 "$OUT/attention_compare.log"; say "attention"

@@ -1,16 +1,17 @@
-"""The model zoo on one GPU: Gemma 3, GPT-OSS and Qwen3-MoE with their real head dimensions, ODCSFTTrainer against
-TRL's SFTTrainer on the same microbatches (tests/support/zoo_runs.py), one process each.
+"""The model zoo on one GPU: Gemma 3, Gemma 2 (soft-capping), GPT-OSS and Qwen3-MoE with their real head dimensions,
+ODCSFTTrainer against TRL's SFTTrainer on the same microbatches (tests/support/zoo_runs.py), one process each.
 
     python -m pytest -m gpu -rP tests/gpu/test_model_zoo_gpu.py      # -rP prints the measured differences
 
-- fp32 on odc_hf's per-document attention (``sdpa_varlen``; ``eager_varlen`` for GPT-OSS, which transformers runs on
-  its eager attention only) against TRL's padded rows: exact, bound 1e-5 as on the CPU. With Liger installed the
+- fp32 on odc_hf's per-document attention (``sdpa_varlen``; ``eager_varlen`` for Gemma 2 and GPT-OSS, which
+  transformers runs on their eager attention only) against TRL's padded rows: exact, bound 1e-5 as on the CPU. With Liger installed the
   run takes its kernels (``kernels="auto"``) but keeps float32 experts on the model's own implementation; the
   control asks for Liger's fused MoE kernel by name (TF32 products) and must land outside the bound;
 - bf16 (autocast) on ``sdpa_varlen`` / ``eager_varlen`` and on FlashAttention-4 (when installed), against TRL in bf16:
   within the tier's bf16 bound (2e-2 relative on losses and gradient norms, as tests/gpu/test_gpu_one_device.py), and
   closer to TRL than TRL's own run with the family's variants switched off is (the negative control: a run that
-  dropped a window, the sinks or the router loss would sit there).
+  dropped a window, the sinks or the router loss would sit there); for Gemma 2 also closer than TRL's run with only
+  the soft-capping off.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from zoo_runs import GPU, largest_difference
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 NAMES = list(GPU.families)
 FP32_RTOL, BF16_RTOL = 1e-5, 2e-2
+ALONE = ("softcap",)
+"""Variants also switched off alone as a control: soft-capping is applied by FlashAttention-4's kernel itself (its
+``softcap`` argument) and by the family's eager attention otherwise; a path that dropped it must land outside."""
 
 
 def _fa4_installed() -> bool:
@@ -56,6 +60,9 @@ def trl(tmp_path_factory) -> dict[tuple[str, str], list[dict]]:
             runs[name, precision] = zoo_runs.trl_run(name, out / f"{name}_{precision}", setting=GPU,
                                                      bf16=precision == "bf16")  # fmt: skip
         runs[name, "off"] = zoo_runs.trl_run(name, out / f"{name}_off", off="all", setting=GPU, bf16=True)
+        for variant in set(GPU.families[name].variants) & set(ALONE):
+            runs[name, variant] = zoo_runs.trl_run(name, out / f"{name}_{variant}_off", off=variant, setting=GPU,
+                                                   bf16=True)  # fmt: skip
     return runs
 
 
@@ -85,6 +92,10 @@ def test_bf16_on_each_attention_path_is_within_the_bf16_bound(name, attention, t
           f"{GPU.families[name].variants}: {control:.1e}")  # fmt: skip
     assert difference <= BF16_RTOL, (run["history"], trl[name, "bf16"])
     assert difference < control / 4, (difference, control)
+    for variant in set(GPU.families[name].variants) & set(ALONE):  # one variant off: Gemma 2's soft-capping
+        alone = largest_difference(trl[name, variant], trl[name, "bf16"], keys=("loss", "grad_norm"))
+        print(f"{name} bf16 {implementation}: TRL without {variant} alone: {alone:.1e}")
+        assert difference < alone / 4, (variant, difference, alone)
 
 
 def _liger_installed() -> bool:

@@ -286,3 +286,30 @@ def test_docs_models_table_is_this_runs(trl, odc, grpo):
 if __name__ == "__main__":  # run the zoo and rewrite docs/models.md's table from it
     os.environ["ODC_ZOO_WRITE_TABLE"] = "1"
     sys.exit(pytest.main([__file__, "-q", "-p", "no:randomly", "-k", "docs_models_table"]))
+
+
+def test_the_gpu_zoo_builds_here_and_gemma2s_soft_capping_binds():
+    """The GPU zoo's families (tests/gpu/test_model_zoo_gpu.py) build from their configs on the CPU, with the head
+    dimensions the GPU test claims; Gemma 2's soft-capping at the GPU zoo's cap and scale changes the logits of a
+    real-text row (a cap that never binds would make the soft-capping control vacuous)."""
+    import torch
+
+    from odc_hf.testing.data import default_tokenizer
+
+    tokenizer, gpu = default_tokenizer(), zoo_runs.GPU
+    heads = {"gemma3": 256, "gemma2": 256, "gpt_oss": 64, "qwen3_moe": 128}
+    assert set(gpu.families) == set(heads)
+    ids = torch.tensor([zoo_runs.dataset(tokenizer, gpu)["input_ids"][0]])
+    assert ids.shape[1] >= gpu.min_tokens
+    for name, head_dim in heads.items():
+        config = gpu.families[name].config({**gpu.size, **zoo_runs.token_ids(tokenizer)})
+        assert config.head_dim == head_dim, name
+    logits = {}
+    for off in (None, "softcap"):
+        model = zoo_runs.build("gemma2", tokenizer, off, gpu)
+        model.config.final_logit_softcapping = None  # the attention's cap alone
+        with torch.no_grad():
+            logits[off] = model(input_ids=ids).logits
+    moved = ((logits[None] - logits["softcap"]).norm() / logits["softcap"].norm()).item()
+    print(f"gemma2 at cap {zoo_runs.GPU_SOFTCAP}: logits move {moved:.1e} without it")
+    assert moved > 1e-2, moved

@@ -33,6 +33,11 @@ import torch
 
 WINDOW = 16
 SOFTCAP = 0.01
+GPU_SOFTCAP, GPU_QUERY_SCALAR = 1.0, 1
+"""Gemma 2's soft-capping and ``query_pre_attn_scalar`` in the GPU zoo. Its released models use 50 and 256, which
+never bind on random weights (logits ~0.1); at scale 1 the logits are ~1.6 and a cap of 1.0 binds: TRL's run without
+it lands 2.1e-1 from TRL's with it (CPU, fp32, measured; 1.8e-2 at the CPU zoo's 0.01 and scale 256), far outside
+the bf16 noise (2.7e-4 to 8.7e-3 on one H200)."""
 ROUTER_AUX_COEF = 0.05
 MINIBATCH, MICRO, STEPS = 8, 2, 3
 SEED = 0
@@ -101,8 +106,9 @@ FAMILIES = _families()
 
 
 def _gpu_families() -> dict[str, Family]:
-    """Gemma 3, GPT-OSS and Qwen3-MoE with the head dimensions of their released models (256, 64, 128), a window of
-    64 tokens, 8 experts: the shapes FlashAttention-4 and cuDNN's attention meet in training."""
+    """Gemma 3, Gemma 2, GPT-OSS and Qwen3-MoE with the head dimensions of their released models (256, 256, 64, 128), a
+    window of 64 tokens, 8 experts, Gemma 2's soft-capping at ``GPU_SOFTCAP``: the shapes FlashAttention-4 and
+    cuDNN's attention meet in training."""
     import transformers as t
 
     two = ["sliding_attention", "full_attention"]
@@ -110,6 +116,10 @@ def _gpu_families() -> dict[str, Family]:
         "gemma3": Family("gemma3", lambda c: t.Gemma3TextConfig(**{**c, "num_attention_heads": 2, "num_key_value_heads": 1},
                                                                 head_dim=256, sliding_window=64, layer_types=two),
                          ("window",), label="Gemma 3 text"),  # fmt: skip
+        "gemma2": Family("gemma2", lambda c: t.Gemma2Config(**{**c, "num_attention_heads": 2, "num_key_value_heads": 1},
+                                                            head_dim=256, query_pre_attn_scalar=GPU_QUERY_SCALAR, sliding_window=64,
+                                                            attn_logit_softcapping=GPU_SOFTCAP, layer_types=two),
+                         ("window", "softcap"), label="Gemma 2"),  # fmt: skip
         "gpt_oss": Family("gpt_oss", lambda c: t.GptOssConfig(**{**c, "num_attention_heads": 8, "num_key_value_heads": 2},
                                                               head_dim=64, sliding_window=64, layer_types=two,
                                                               **_moe(num_local_experts=8, num_experts_per_tok=2)),
