@@ -27,7 +27,7 @@ import math
 GIB = 2**30
 
 __all__ = ["MemoryModel", "checkpointed_indices", "choose_checkpointing", "describe_checkpointing",
-           "layers_to_checkpoint"]  # fmt: skip
+           "layers_to_checkpoint", "largest_fitting_tokens", "shortfall"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,6 +88,31 @@ def choose_checkpointing(model: MemoryModel, tokens: int, device_bytes: float) -
         if model.peak_bytes(tokens, n) <= device_bytes:
             return n, True
     return model.num_layers, False
+
+
+def largest_fitting_tokens(model: MemoryModel, device_bytes: float) -> int:
+    """The most tokens per microbatch whose predicted peak with full checkpointing is <= ``device_bytes`` (0 when
+    the resident terms alone do not fit)."""
+    room = device_bytes - model.static_bytes - model.fixed_bytes
+    per_token = model.bytes_per_token(model.num_layers)
+    if room <= 0:
+        return 0
+    return int(room // per_token) if per_token > 0 else 2**62
+
+
+def shortfall(model: MemoryModel, tokens: int, device_bytes: float) -> str:
+    """What to change when not even full checkpointing fits ``tokens`` tokens in ``device_bytes``: a smaller token
+    budget when one fits, else the resident state that fills the device by itself and what shrinks it."""
+    need = model.peak_bytes(tokens, model.num_layers)
+    head = (f"even full activation checkpointing is predicted to need {need / GIB:.1f} GiB at {tokens} tokens per "
+            f"microbatch, and {device_bytes / GIB:.1f} GiB are usable")  # fmt: skip
+    fitting = largest_fitting_tokens(model, device_bytes)
+    if fitting > 0:
+        return f"{head}: lower max_tokens_per_microbatch to {fitting} or less"
+    resident = (model.static_bytes + model.fixed_bytes) / GIB
+    return (f"{head}, while parameters, gradients, optimizer states and the unsharded units alone take "
+            f"{resident:.1f} GiB per process: no token budget fits. Shard over more processes (more GPUs), train an "
+            "adapter (LoRA), or use a smaller model")  # fmt: skip
 
 
 def layers_to_checkpoint(fraction: float, num_layers: int) -> int:

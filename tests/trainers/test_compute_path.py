@@ -52,6 +52,25 @@ def test_auto_checkpointing_is_the_least_recomputation_that_fits():
         assert fits and model.peak_bytes(tokens, n) <= budget
 
 
+def test_when_nothing_fits_the_advice_is_a_budget_that_fits_or_the_resident_state():
+    """Not even full checkpointing fits: the warning names the largest token budget that would (and it does fit,
+    one more token does not), or, when parameters, gradients and optimizer states fill the device by themselves
+    (a 7B model on one 80 GB card: 16 bytes per parameter), says no budget fits and what shrinks them."""
+    from odc_hf.balance.memory import largest_fitting_tokens, shortfall
+
+    model, tokens = _memory(), 32768
+    device = model.peak_bytes(tokens, 28) - 1
+    fitting = largest_fitting_tokens(model, device)
+    assert 0 < fitting < tokens
+    assert model.peak_bytes(fitting, 28) <= device < model.peak_bytes(fitting + 1, 28)
+    assert shortfall(model, tokens, device).endswith(f"lower max_tokens_per_microbatch to {fitting} or less")
+    seven_b = _memory(static_bytes=7.6e9 * 16, fixed_bytes=0.0)  # fp32 weights + grads + two AdamW states
+    assert largest_fitting_tokens(seven_b, 0.9 * 80 * GIB) == 0
+    words = shortfall(seven_b, 16384, 0.9 * 80 * GIB)
+    assert "no token budget fits" in words and "113.2 GiB per process" in words and "LoRA" in words
+    assert "lower max_tokens_per_microbatch" not in words
+
+
 def test_memory_model_round_trip_and_validation():
     model = _memory()
     data = {**model.to_dict(), "device": "NVIDIA H200", "note": "ignored"}

@@ -27,6 +27,7 @@ from odc_hf.balance.memory import (
     checkpointed_indices,
     choose_checkpointing,
     layers_to_checkpoint,
+    shortfall,
 )
 from odc_hf.integrations.compute.attention import attention_dtype
 from odc_hf.integrations.compute.fused_head import (
@@ -267,9 +268,8 @@ def plan_checkpointing(path: ComputePath, model, *, policy: str, tokens: int, de
         path.memory_model, path.device_bytes = memory.to_dict(), total
         path.predicted_peak_bytes = memory.peak_bytes(tokens, n)
         if not fits:
-            logger.warning("odc_hf: even full activation checkpointing is predicted to need %.1f GiB at %d tokens "
-                           "(device %.1f GiB x %.2f): lower max_tokens_per_microbatch",
-                           path.predicted_peak_bytes / GIB, tokens, total / GIB, DEVICE_HEADROOM)  # fmt: skip
+            logger.warning("odc_hf: %s (device %.1f GiB x %.2f)", shortfall(memory, tokens, DEVICE_HEADROOM * total),
+                           total / GIB, DEVICE_HEADROOM)  # fmt: skip
     enable_checkpointing(model, n)
     path.checkpointed_layers = n
     return path
