@@ -19,7 +19,10 @@ tests/support/vllm_runs.py's; tests/grpo/test_vllm_runs_stand_in.py runs the sam
 - every metric key TRL's GRPOTrainer logs with vLLM is logged (TRL's importance-sampling metrics included);
 - per-step losses and gradient norms equal TRL's on the same rollouts: both engines start from the same weights and
   seed (TRL's ``seed=rank``), so step 1's completions are the same; a later step is compared where its completions
-  are too (the trainers' fp32 weights agree to rounding, the bf16 engines usually sample the same tokens from them);
+  are too (the trainers' fp32 weights agree to rounding, the bf16 engines usually sample the same tokens from them).
+  The model ends completions early (``--eos_prone``), so losses are not zero up to rounding. Where the engines' bf16
+  weights differ, TRL's token-level importance sampling gives a bound from the logged engine noise, which must sit
+  below the loss it checks and fail on a stale loss (``vllm_runs.loss_comparison``);
 - at world 2, each rank's engine generated its own rank's prompts (no prompt on both ranks).
 """
 
@@ -37,8 +40,11 @@ import sft_runs
 import torch
 from one_process_runs import ROOT, gpu_launch
 from vllm_runs import (
+    TOKEN_IS,
     TRL_VLLM_KEYS,
+    engine_noise_bound,
     key_problems,
+    loss_comparison,
     prompt_problems,
     same_rollout_steps,
     start_problems,
@@ -55,17 +61,14 @@ pytestmark = [
 ]
 STEPS = 3
 NOT_COMPARED = ("step", "epoch", "learning_rate", "step_time")
-# fp32 trainers on the same rollouts. Losses: relative only (they are -0.12 to 1e-3 here, not ~0: vLLM's bf16
-# log-probabilities enter them through the importance-sampling ratio, in both runs alike); measured on one H200 at
-# 056618d: step 1 bit-equal (loss and gradient norm). Bound 1e-5, as the one-GPU GRPO test (test_gpu_one_device).
-# Gradient norms 1e-4 (step 2 measured 5.1e-5 apart).
+# Every run's model ends completions early (--eos_prone, as the CPU twin): completions of varied lengths, so the
+# dapo loss (a mean over tokens of standardised advantages, which sum to zero per prompt) is not zero up to rounding
+# (without it, steps 2-3 logged -1.0e-8 vs 0.0 on the H200 and a 1e-6 absolute tolerance let anything through).
+COMMON = ("--eos_prone",)
+MIN_LOSS = 1e-3  # every compared step's |loss| is at least this: a relative comparison of it means something
+# fp32 trainers on the same rollouts: measured on one H200 at 056618d, step 1 bit-equal (loss and gradient norm).
+# Losses 1e-5 relative, as the one-GPU GRPO test (test_gpu_one_device); gradient norms 1e-4 (step 2 measured 5.1e-5).
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-4
-# GRPO's on-policy loss is a mean of advantage x ratio terms whose advantages are standardised (size ~1) and sum to
-# zero per prompt: on a step whose completions all end alike it is zero up to the rounding of those O(1) terms, an
-# absolute amount (measured on the H200 at step 2 without importance sampling: -1.0e-8 vs 0.0, gradient norms equal to
-# 1e-7). Losses are compared to 1e-5 relative or 1e-6 absolute (10x that rounding, 100x below the 8e-5 that the
-# engines' weights moved step 2 by with importance sampling on); gradient norms carry the comparison there.
-LOSS_ATOL = 1e-6
 
 
 def _env() -> dict:
@@ -77,7 +80,8 @@ def _env() -> dict:
 
 def one_process(out: Path, trainer: str, *args) -> dict:
     """``tests/support/vllm_runs.py TRAINER OUT *args`` in a new plain process (world 1); its rank0.json."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/support/vllm_runs.py"), trainer, str(out), *map(str, args)],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/support/vllm_runs.py"), trainer, str(out), *COMMON,
+                           *map(str, args)],
                           env=_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     (out / "log.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -87,7 +91,7 @@ def one_process(out: Path, trainer: str, *args) -> dict:
 
 def two_ranks(out: Path, *args) -> list[dict]:
     """``tests/support/vllm_runs.py odc OUT *args`` on 2 ranks (accelerate_configs/odc.yaml; one GPU: they share it)."""
-    proc = gpu_launch(ROOT / "tests/support/vllm_runs.py", "odc", out, *args, processes=2, timeout=1200)
+    proc = gpu_launch(ROOT / "tests/support/vllm_runs.py", "odc", out, *COMMON, *args, processes=2, timeout=1200)
     out.mkdir(parents=True, exist_ok=True)
     (out / "log.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -152,11 +156,13 @@ def _compared_steps(odc: dict, trl: dict) -> list[int]:
               (odc["history"][i]["grad_norm"], trl["history"][i]["grad_norm"])) for i in range(STEPS)]  # fmt: skip
     print(f"steps with the same rollouts: {[i + 1 for i in same]}; (loss, grad norm) ODC vs TRL: {pairs}")
     assert 0 in same, "step 1's completions differ: the engines did not start from the same weights and seed"
+    assert len({len(c) for c in odc["rollouts"][0]}) > 2, "completions of one length: the loss would be ~0"
+    assert all(abs(trl["history"][i]["loss"]) >= MIN_LOSS for i in same), pairs
     return same
 
 
 def _assert_equal_step(a: dict, b: dict, step: int) -> None:
-    assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL, abs=LOSS_ATOL), (step, a, b)
+    assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL, abs=0.0), (step, a, b)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=GRAD_NORM_RTOL), (step, a, b)
     assert a["reward"] == b["reward"]
 
@@ -176,32 +182,51 @@ def test_world1_losses_equal_trls_on_the_same_rollouts_without_importance_sampli
         _assert_equal_step(odc["history"][i], trl["history"][i], i + 1)
 
 
-# With TRL's default importance-sampling correction the loss weighs each completion by exp(trainer log-prob - engine
-# log-prob) (truncated). The two trainers' fp32 weights agree to rounding after a step (~5e-7 of their norm; single
-# elements further: AdamW turns rounding noise in a gradient of ~0 into an lr-sized step, tests/grpo/test_vllm_runs_stand_in.py),
-# and the bf16 engines keep every element that lands on the other side of a bf16 rounding step: the engines'
-# log-probs, and with them the weights, differ. On the H200 at step 2 that moved the loss by 1.9% (-0.0042002 vs -0.0041199; it is
-# a small difference of large terms) and the gradient norm by 5.1e-5. Bound at such a step: the loss is a mean over
-# tokens of advantage x weight (on-policy ratio 1), the advantages are the same in both runs and at most sqrt(G - 1) in
-# size (G = 4 completions per prompt, standardised), a weight is at most the logged ratio max, and an engine's log-prob
-# is within the logged sampling_logp_difference/max of the (shared) trainer's, so |loss difference| <= sqrt(G - 1) x
-# ratio max x (max difference of ODC's engine + TRL's engine).
-def test_world1_losses_with_importance_sampling_differ_only_as_far_as_the_engines_do(world1):
+def test_world1_losses_with_importance_sampling_on_the_same_engine_weights_are_equal(world1):
+    # TRL's default correction (sequence-level, masked): where both engines hold the same weights (step 1 always:
+    # the same start and seed) the losses and gradient norms are equal to the fp32 bounds
     odc, trl = world1
     distances = sync_distance(Path(odc["out"]), Path(trl["out"]), STEPS)
+    same_engines = [i for i in _compared_steps(odc, trl) if distances[i]["engine_elements_differing"] == 0]
+    assert 0 in same_engines, distances
+    for i in same_engines:
+        _assert_equal_step(odc["history"][i], trl["history"][i], i + 1)
+
+
+@pytest.fixture(scope="module")
+def world1_token_importance_sampling(tmp_path_factory):
+    base = tmp_path_factory.mktemp("grpo_vllm_gpu_token_is")
+    flag = ("--importance_sampling_mode", TOKEN_IS)
+    return one_process(base / "odc", "odc", *flag), one_process(base / "trl", "trl", *flag)
+
+
+# Where the engines hold different weights, the importance weights differ. The two trainers' fp32 weights agree to
+# rounding after a step (~5e-7 of their norm; single elements further: AdamW turns rounding noise in a gradient of ~0
+# into an lr-sized step, tests/grpo/test_vllm_runs_stand_in.py), and a bf16 engine keeps every element that lands on
+# the other side of a rounding step: the engines' log-probabilities differ, so the losses may too (on the H200 at
+# step 2: -0.0042002 vs -0.0041199, with completions all of one length). Under TRL's token-level truncated correction
+# that difference has a bound from what both runs log (vllm_runs.engine_noise_bound: sqrt(G - 1) x ratio max x the two
+# engines' mean log-prob difference); TRL's default sequence-level ratio exponentiates sums over a completion, which
+# no logged mean bounds. The check must be able to fail: at least one compared step where the engines differ has its
+# bound below the loss itself, and there the stale-loss control (ODC's loss of another step) fails it.
+def test_world1_losses_with_token_importance_sampling_differ_only_as_far_as_the_engines_do(
+    world1_token_importance_sampling,
+):
+    odc, trl = world1_token_importance_sampling
+    distances = sync_distance(Path(odc["out"]), Path(trl["out"]), STEPS)
     print(f"trainers and engines of ODC vs TRL at each sync: {distances}")
-    for i in _compared_steps(odc, trl):
+    same = _compared_steps(odc, trl)
+    result = loss_comparison(odc, trl, distances, same, rtol=LOSS_RTOL)
+    bounds = {i + 1: engine_noise_bound(odc["history"][i], trl["history"][i]) for i in same}
+    print(f"engine-noise bounds by step {bounds}; {result}")
+    assert result["problems"] == [], result["problems"]
+    differing = [i for i in same if distances[i]["engine_elements_differing"] > 0]
+    if differing:
+        assert set(differing) & set(result["meaningful"]), (
+            f"no step where the engines differ has a bound below its loss ({bounds}): the comparison cannot fail")
+    assert result["meaningful"] and all(result["stale_loss_fails"]), result
+    for i in same:
         a, b = odc["history"][i], trl["history"][i]
-        if distances[i]["engine_elements_differing"] == 0:  # the same engine weights: the same loss
-            _assert_equal_step(a, b, i + 1)
-            continue
-        assert distances[i]["trainer_norm"] < 1e-5, distances[i]  # the trainers agree to rounding as a whole
-        ratio = max(a["sampling/importance_sampling_ratio/max"], b["sampling/importance_sampling_ratio/max"])
-        noise = a["sampling/sampling_logp_difference/max"] + b["sampling/sampling_logp_difference/max"]
-        bound = 3**0.5 * ratio * noise
-        print(f"step {i + 1}: loss {a['loss']:.7g} vs {b['loss']:.7g}, |difference| {abs(a['loss'] - b['loss']):.3g}, "
-              f"bound from the engines' measured noise {bound:.3g}")  # fmt: skip
-        assert abs(a["loss"] - b["loss"]) <= bound, (i, a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (i, a, b)  # measured 5.1e-5
         assert a["reward"] == b["reward"]
 

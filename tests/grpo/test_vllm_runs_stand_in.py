@@ -2,8 +2,9 @@
 (odc_hf/testing/vllm_fake.py's engine: vLLM's stacked ``qkv_proj`` / ``gate_up_proj`` layout and ``load_weights`` contract),
 each run a fresh process as on the GPU (forked from the test process's fork server:
 tests/support/launched.py), checked with the GPU test's own checks (``sync_problems``,
-``start_problems``, ``key_problems``, ``prompt_problems``): ODCGRPOTrainer and TRL's GRPOTrainer at world 1, ODC with
-sleep mode and LoRA, ODC with its sync switched off (the negative control), ODC on 2 CPU ranks.
+``start_problems``, ``key_problems``, ``prompt_problems``, ``loss_comparison``): ODCGRPOTrainer and TRL's GRPOTrainer
+at world 1 (with TRL's default importance sampling, and with its token-level truncated one), ODC with sleep mode and
+LoRA, ODC with its sync switched off (the negative control), ODC on 2 CPU ranks.
 
 The runs use ``--eos_prone`` (completions of 1 to 16 tokens) so that the losses compared are not zero up to
 rounding, and 16 completion tokens at most to stay quick.
@@ -17,8 +18,10 @@ from pathlib import Path
 import pytest
 from launched import run_launched, run_plain
 from vllm_runs import (
+    TOKEN_IS,
     TRL_VLLM_KEYS,
     key_problems,
+    loss_comparison,
     prompt_problems,
     same_rollout_steps,
     start_problems,
@@ -41,7 +44,9 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm_runs_stand_in")
     result = {name: _one_process(base / name, trainer, *args) for name, (trainer, args) in {
         "odc": ("odc", ()), "trl": ("trl", ()), "lora_sleep": ("odc", ("--sleep", "--peft")),
-        "no_sync": ("odc", ("--no_sync", "--steps", "1"))}.items()}  # fmt: skip
+        "no_sync": ("odc", ("--no_sync", "--steps", "1")),
+        "odc_token": ("odc", ("--importance_sampling_mode", TOKEN_IS)),
+        "trl_token": ("trl", ("--importance_sampling_mode", TOKEN_IS))}.items()}  # fmt: skip
     run_launched(RUNNER, "odc", base / "two", *COMMON, timeout_s=600)
     result["two"] = [json.loads((base / "two" / f"rank{r}.json").read_text()) for r in range(2)]
     return result
@@ -84,6 +89,23 @@ def test_losses_equal_trls_on_the_same_rollouts(runs):
         a, b = odc["history"][i], trl["history"][i]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (i, a, b)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3, abs=0.0), (i, a, b)
+
+
+def test_losses_with_token_importance_sampling_differ_only_as_far_as_the_engines_do(runs):
+    # the GPU test's comparison where the engines' weights differ (steps 2 and 3 here: the fp32 stand-in copies the
+    # trainers' rounding differences), with its bound from the runs' logged engine noise (vllm_runs.engine_noise_bound).
+    # Measured: losses 0.0025 to 0.14 apart by <= 3.0e-8, bounds ~3e-6: every step's check can fail, and fails on
+    # ODC's loss of another step (the stale-loss control).
+    odc, trl = runs["odc_token"], runs["trl_token"]
+    distances = sync_distance(Path(odc["out"]), Path(trl["out"]), STEPS)
+    same = same_rollout_steps(odc, trl)
+    assert same == [0, 1, 2] and any(d["engine_elements_differing"] for d in distances), (same, distances)
+    result = loss_comparison(odc, trl, distances, same, rtol=1e-3)
+    print(result)
+    assert result["problems"] == [], result["problems"]
+    assert result["meaningful"] == same and all(result["stale_loss_fails"]), result
+    broken = {**odc, "history": [dict(h, loss=h["loss"] * 1.01) for h in odc["history"]]}  # a 1% normaliser error
+    assert len(loss_comparison(broken, trl, distances, same, rtol=1e-3)["problems"]) == len(same)
 
 
 def test_every_trl_metric_is_logged(runs):

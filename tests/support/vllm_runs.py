@@ -50,6 +50,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")
 VOCAB_PADDING = 64  # vLLM pads embedding and head rows to a multiple of 64 (zero rows) at tensor parallel 1
+GENERATIONS = 4  # num_generations of run(): completions per prompt
+TOKEN_IS = "token_truncate"  # TRL's token-level truncated importance sampling (--importance_sampling_mode)
 # What TRL 1.16's GRPOTrainer logs with vLLM and this reward (measured with TRL's own trainer on the CPU stand-in
 # engine, tests/grpo/test_grpo_vllm.py): the world-2 runs, which have no TRL run beside them, are checked against these.
 TRL_VLLM_KEYS = (
@@ -276,7 +278,7 @@ def build_model(out: Path, rank: int, *, eos_prone: bool = False):
 
 
 def run(trainer_name: str, out: Path, *, steps: int, sleep: bool, peft: bool, memory: float, length: int,
-        eos_prone: bool = False, importance_sampling: bool = True) -> dict:  # fmt: skip
+        eos_prone: bool = False, importance_sampling: bool = True, importance_sampling_mode: str | None = None) -> dict:  # fmt: skip
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -298,12 +300,13 @@ def run(trainer_name: str, out: Path, *, steps: int, sleep: bool, peft: bool, me
     config_class = ODCGRPOConfig if trainer_name == "odc" else GRPOConfig
     args = config_class(
         output_dir=str(out / "trainer"), max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_generations=4, max_completion_length=length, learning_rate=1e-3, lr_scheduler_type="constant",
+        num_generations=GENERATIONS, max_completion_length=length, learning_rate=1e-3, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="dapo", seed=0, logging_steps=1,
         save_strategy="no", report_to="none", bf16=False, use_cpu=STAND_IN, disable_tqdm=True, temperature=1.0,
         gradient_checkpointing=False, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=memory,
         vllm_enable_sleep_mode=sleep, vllm_max_model_length=1024,
         vllm_importance_sampling_correction=importance_sampling,
+        **({"vllm_importance_sampling_mode": importance_sampling_mode} if importance_sampling_mode else {}),
     )  # fmt: skip
     data = Dataset.from_list([{"prompt": f"Compute {a} + {3 * a % 17} = "} for a in range(64)])
     kwargs = dict(
@@ -412,6 +415,44 @@ def sync_distance(a: Path, b: Path, syncs: int) -> list[dict]:
     return out
 
 
+def engine_noise_bound(a: dict, b: dict) -> float:
+    """The largest |loss difference| of two runs' steps (logged metrics ``a``, ``b``) on the same completions whose
+    engines hold different weights, under TRL's token-level truncated importance sampling (``TOKEN_IS``), dapo loss,
+    one iteration per generation.
+
+    The step's loss is a mean over its completion tokens of advantage x importance weight (the policy ratio is 1 in
+    value), with the same advantages and tokens in both runs. A weight is exp(trainer log-prob - engine log-prob),
+    truncated above; two runs' weights at a token differ by at most the larger ratio times the difference of their
+    exponents, which is at most the sum of each run's |trainer - engine| log-prob difference there. Averaged over the
+    tokens: |loss difference| <= max |advantage| x ratio max x (logged sampling_logp_difference/mean of both runs), with
+    |advantage| <= sqrt(G - 1) for G completions standardised per prompt, plus 1e-6 for the two trainers' forward
+    passes (the policy ratio's rounding)."""
+    ratio = max(a["sampling/importance_sampling_ratio/max"], b["sampling/importance_sampling_ratio/max"])
+    noise = a["sampling/sampling_logp_difference/mean"] + b["sampling/sampling_logp_difference/mean"]
+    return (GENERATIONS - 1) ** 0.5 * ratio * noise + 1e-6
+
+
+def loss_comparison(odc: dict, trl: dict, distances: list[dict], steps: list[int], *, rtol: float) -> dict:
+    """ODC's and TRL's losses at ``steps`` (0-based, the same completions in both): equal within ``rtol`` where the
+    engines held the same weights, within :func:`engine_noise_bound` where they did not. Returns the problems, the
+    steps whose check can fail (bound or tolerance below the loss itself), and per such step the stale-loss control:
+    whether the check fails on ODC's loss of another step (a trainer that logged a stale loss)."""
+    problems, meaningful, controls = [], [], []
+    for i in steps:
+        a, b = odc["history"][i], trl["history"][i]
+        exact = distances[i]["engine_elements_differing"] == 0
+        allowed = rtol * abs(b["loss"]) if exact else engine_noise_bound(a, b)
+        difference = abs(a["loss"] - b["loss"])
+        if difference > allowed:
+            problems.append(f"step {i + 1}: loss {a['loss']:.7g} vs TRL {b['loss']:.7g}, |difference| "
+                            f"{difference:.3g} > {allowed:.3g} ({'same engines' if exact else 'engine noise bound'})")  # fmt: skip
+        if allowed < abs(b["loss"]):
+            meaningful.append(i)
+            others = [odc["history"][j]["loss"] for j in range(len(odc["history"])) if j != i]
+            controls.append(any(abs(o - b["loss"]) > allowed for o in others))
+    return {"problems": problems, "meaningful": meaningful, "stale_loss_fails": controls}
+
+
 def same_rollout_steps(a: dict, b: dict) -> list[int]:
     """The (0-based) steps whose completions were the same in both runs."""
     return [i for i, (x, y) in enumerate(zip(a["rollouts"], b["rollouts"])) if x == y]
@@ -435,11 +476,14 @@ def main(argv=None) -> None:
     p.add_argument("--eos_prone", action="store_true", help="a model that ends completions early")
     p.add_argument("--no_importance_sampling", action="store_true",
                    help="vllm_importance_sampling_correction=False (TRL's correction for the engine's sampling)")
+    p.add_argument("--importance_sampling_mode", default=None,
+                   help=f"vllm_importance_sampling_mode (default: TRL's; {TOKEN_IS} for engine_noise_bound)")
     a = p.parse_args(argv)
     global STAND_IN, NO_SYNC
     STAND_IN, NO_SYNC = a.stand_in, a.no_sync
     run(a.trainer, a.out, steps=a.steps, sleep=a.sleep, peft=a.peft, memory=a.gpu_memory_utilization,
-        length=a.max_completion_length, eos_prone=a.eos_prone, importance_sampling=not a.no_importance_sampling)  # fmt: skip
+        length=a.max_completion_length, eos_prone=a.eos_prone, importance_sampling=not a.no_importance_sampling,
+        importance_sampling_mode=a.importance_sampling_mode)  # fmt: skip
 
 
 if __name__ == "__main__":
