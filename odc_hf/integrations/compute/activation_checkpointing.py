@@ -92,7 +92,7 @@ def autocast_over_full_precision(mixed_precision: str | None, param_dtype: torch
     their first use in forward until backward has used them (measured on CPU autocast, a Qwen2 of hidden size 256:
     31.7 KB of saved activations per token against 25.8 KB for the same model in bf16, plus a copy of the weights).
     Under FSDP2 with mixed precision the gathered parameters are half precision already: neither applies."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(str(mixed_precision))
+    dtype = attention_dtype(mixed_precision, None)  # autocast's dtype under accelerate's mixed precision, or None
     if dtype is None or sharded or param_dtype in (torch.float16, torch.bfloat16):
         return None
     return dtype
