@@ -226,3 +226,62 @@ def test_refusals_say_what_the_layer_passed_and_what_to_use():
     with pytest.raises(variants.UnsupportedAttentionArgument, match=r"ODCConfig\(attention='model'\) with "
                        r"attn_implementation='eager'$"):  # fmt: skip
         variants.eager_function(OddLayer())
+
+
+def _by_hand(query, key, value, mask, scale, softcap=None):
+    """Attention written out in float64: ``softmax(q k^T x scale [soft-capped] + mask) v`` as ``(batch, n, heads,
+    dim)``; ``mask`` boolean (True: the key is seen)."""
+    q, k, v = (t.double() for t in (query, key, value))
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (weights @ v).transpose(1, 2)
+
+
+def _layer():
+    layer = torch.nn.Module()  # what the attention functions read off the layer: training, groups, causality
+    layer.num_key_value_groups, layer.is_causal, layer.training = 1, True, False
+    return layer
+
+
+def test_every_argument_of_the_call_reaches_the_attention_on_every_path():
+    """The call's ``scaling`` and ``dropout`` reach SDPA on the windowed path of a packed row and on the padded path,
+    and a cached decode step with more keys than its window sees only the last ``window`` of them. A scale that is not
+    SDPA's default (1 / sqrt(dim)), because Gemma-style ``query_pre_attn_scalar`` sets one: a path that dropped it
+    would use the default and differ from the hand-written reference; with ``dropout=1.0`` every weight is dropped
+    (zeros), which a path that dropped it would not do."""
+    from transformers.models.gemma2 import modeling_gemma2
+
+    gen = torch.Generator().manual_seed(11)
+    heads, n, dim, window, scale = 2, 21, 8, 5, 0.9  # SDPA's default here would be 8 ** -0.5 = 0.35
+    q, k, v = (torch.randn(1, heads, n, dim, generator=gen) for _ in range(3))
+    tol = dict(rtol=0, atol=1e-5)
+    # a packed row's document longer than its window: banded SDPA over query blocks that straddle window edges
+    banded = variants.allowed(0, n, 0, n, window)
+    ours = variants.document_attention(_layer(), q, k, v, variants.Variant(window=window), {"scaling": scale})
+    torch.testing.assert_close(ours.double(), _by_hand(q, k, v, banded, scale), **tol)
+    dropped = variants.document_attention(_layer(), q, k, v, variants.Variant(window=window),
+                                          {"scaling": scale, "dropout": 1.0})  # fmt: skip
+    assert torch.count_nonzero(dropped) == 0
+    # padded rows: transformers' boolean mask (left padding of 4), no window in the variant (it is in the mask)
+    padded = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    padded[:, :4] = False
+    padded[:4, :4] = torch.eye(4, dtype=torch.bool)  # padding positions see themselves (no empty rows)
+    ours = variants.masked_attention(_layer(), q, k, v, padded[None, None], variants.Variant(), {"scaling": scale})[0]
+    torch.testing.assert_close(ours.double(), _by_hand(q, k, v, padded, scale), **tol)
+    dropped = variants.masked_attention(_layer(), q, k, v, padded[None, None], variants.Variant(),
+                                        {"scaling": scale, "dropout": 1.0})[0]  # fmt: skip
+    assert torch.count_nonzero(dropped) == 0
+    # a cached decode step: 2 queries at the end of 21 keys, soft-capped (the family's eager path), no mask handed in
+    gemma_layer = next(m for m in _model("gemma2_window_softcap").modules() if type(m).__name__ == "Gemma2Attention")
+    gemma_layer.num_key_value_groups = 1
+    decode = variants.allowed(0, 2, 0, n, window, q_offset=n - 2)
+    assert int(decode.sum()) == 2 * window  # each query sees exactly its window, not the whole cache
+    variant = variants.Variant(window=window, softcap=0.7)
+    ours = variants.masked_attention(gemma_layer, q[:, :, -2:], k, v, None, variant, {"scaling": scale})[0]
+    assert variants.eager_function(gemma_layer) is modeling_gemma2.eager_attention_forward
+    torch.testing.assert_close(ours.double(), _by_hand(q[:, :, -2:], k, v, decode, scale, softcap=0.7), **tol)
+    # the twin: the same decode step over the whole cache differs (the window is what the reference applies)
+    whole = _by_hand(q[:, :, -2:], k, v, torch.ones_like(decode), scale, softcap=0.7)
+    assert float((ours.double() - whole).abs().max()) > 1e-2
