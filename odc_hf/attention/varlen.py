@@ -151,9 +151,10 @@ class VarlenAttention:
         shape_bucket: pad each document's attention inputs to a multiple of this many tokens (0: exact shapes).
         varlen_kernel: on CUDA, run torch's flash varlen kernel once per layer instead of per-document SDPA
             (slower on an H200, see the module docstring).
-        eager: run the family's own eager attention per document instead of SDPA, for families transformers does
-            not let run SDPA (``_supports_sdpa = False``: Gemma 2, GPT-OSS); named ``"eager_varlen"`` (transformers
-            checks SDPA support for every implementation whose name contains ``"sdpa"``).
+        eager: run the family's own eager attention per document instead of SDPA, for families whose attention
+            SDPA cannot compute (soft-capping, sinks: Gemma 2, GPT-OSS; transformers marks most of them
+            ``_supports_sdpa = False``); named ``"eager_varlen"`` (transformers checks SDPA support for every
+            implementation whose name contains ``"sdpa"``).
     """
 
     shape_bucket: int = DEFAULT_SHAPE_BUCKET

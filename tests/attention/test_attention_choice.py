@@ -150,3 +150,44 @@ def test_grpo_layout_auto_packs_under_varlen_attention_that_gains(implementation
 
     assert layout("auto") == packed
     assert layout("packed") and not layout("padded")
+
+
+def test_a_family_with_soft_capping_or_sinks_runs_eager_even_where_transformers_allows_sdpa():
+    """SDPA has no soft-capping or sinks, so such a family's definition is its eager attention: ``eager_varlen`` and
+    an eager reference in the definition check, even where the release marks the class as SDPA-capable (transformers
+    5.17 does for Gemma 2, and its SDPA then silently drops the soft-capping: the check against that SDPA refused
+    Gemma 2 as trained differently). Without soft-capping the same class runs SDPA."""
+    import transformers
+
+    from odc_hf.integrations.models.family import needs_of
+
+    def gemma2(softcap):
+        config = transformers.Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           query_pre_attn_scalar=8, sliding_window=12, attn_logit_softcapping=softcap,
+                                           layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+        model = transformers.Gemma2ForCausalLM._from_config(config, attn_implementation="eager", dtype=torch.float32)
+        model._supports_sdpa = True  # as transformers 5.17 marks Gemma 2
+        return model
+
+    capped = gemma2(0.5)
+    assert needs_of(capped).softcap and not needs_of(capped).sdpa
+    record = choose_attention(_trainer(capped))
+    assert record["implementation"] == "eager_varlen" == capped.config._attn_implementation
+    # loaded as transformers 5.17 loads it when asked for nothing: on SDPA. auto replaces that default; "model" keeps
+    # it, which would drop the soft-capping: refused by name
+    on_sdpa = gemma2(0.5)
+    on_sdpa.set_attn_implementation("sdpa")
+    assert choose_attention(_trainer(on_sdpa))["implementation"] == "eager_varlen"
+    on_sdpa.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match=r"^gemma2 uses soft-capping, which SDPA does not apply"):
+        choose_attention(_trainer(on_sdpa, attention="model"))
+    assert needs_of(gemma2(None)).sdpa  # nothing SDPA lacks: SDPA
+    assert needs_of(_model("sdpa")).sdpa
+    sinks = transformers.GptOssForCausalLM._from_config(
+        transformers.GptOssConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                  num_experts_per_tok=2, layer_types=["full_attention"]),
+        attn_implementation="eager")  # fmt: skip
+    sinks._supports_sdpa = True
+    assert needs_of(sinks).sinks and not needs_of(sinks).sdpa

@@ -23,6 +23,19 @@ def test_flash_attention_2_with_sinks_is_refused_naming_the_family():
     attention.check_flash_variants("sdpa_varlen", FamilyNeeds("gpt_oss", sinks=True))  # applied per document
 
 
+@pytest.mark.parametrize(("needs", "what"), [(FamilyNeeds("gemma2", window=True, softcap=True), "soft-capping"),
+                                             (FamilyNeeds("gpt_oss", sinks=True), "attention sinks")])  # fmt: skip
+def test_sdpa_with_soft_capping_or_sinks_is_refused_naming_the_family(needs, what):
+    """transformers 5.17 loads Gemma 2 on SDPA by default and drops its soft-capping there; odc_hf does not train a
+    model so loaded under ``attention="model"``. Twins: SDPA for a family without either, eager for one with them."""
+    with pytest.raises(ValueError, match=rf"^{needs.family} uses {what}, which SDPA does not apply \(the model is "
+                       r"loaded with attn_implementation='sdpa'\): use ODCConfig\(attention='auto'\)"):  # fmt: skip
+        attention.check_flash_variants("sdpa", needs)
+    attention.check_flash_variants("sdpa", FamilyNeeds("mistral", window=True))
+    attention.check_flash_variants("eager", needs)
+    attention.check_flash_variants("eager_varlen", needs)
+
+
 @pytest.mark.parametrize(
     ("needs", "missing", "argument"),
     [

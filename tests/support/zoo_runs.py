@@ -11,7 +11,7 @@ at unit scale so they matter) and ``router_aux`` (a Mixture-of-Experts load-bala
 The runs (``STEPS`` steps of ``MINIBATCH`` documents, ``MICRO`` documents per microbatch, fp32, CPU):
 
 - :func:`trl_run`: TRL's ``SFTTrainer`` in one process, padded rows, the model's own attention (``sdpa``, or ``eager``
-  for families transformers does not run on SDPA), gradient accumulation over the step's ``MINIBATCH // MICRO``
+  for families whose soft-capping or sinks SDPA cannot compute), gradient accumulation over the step's ``MINIBATCH // MICRO``
   microbatches in dataset order;
 - :func:`odc_run`: ``ODCSFTTrainer`` (packed rows, odc_hf's attention) on 1 or 2 ranks with exactly those
   microbatches, dealt to the ranks by ``SCHEDULE`` (uneven counts, a rank with none in the first step). For the
@@ -170,7 +170,10 @@ def build(name: str, tokenizer, off: str | None = None, setting: Setting = CPU):
         config.attn_logit_softcapping = None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        # the model's own attention: SDPA, or eager where SDPA cannot compute the definition (transformers 5.17 lets
+        # Gemma 2 run SDPA and drops its soft-capping there)
+        own = "eager" if getattr(config, "attn_logit_softcapping", None) is not None else None
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=own)
         sinks = [m.sinks for m in model.modules() if isinstance(getattr(m, "sinks", None), torch.nn.Parameter)]
         with torch.no_grad():
             for s in sinks:  # unit scale (the config's init is 0.02): a sink then takes a real share of each row

@@ -37,6 +37,7 @@ from odc_hf.integrations.upstream.transformers import (
     attn_implementation,
     is_flash_attn_4_available,
     supports_flash_attention,
+    supports_sdpa,
 )
 
 logger = logging.getLogger(__name__)
@@ -156,13 +157,13 @@ class AttentionChoice(Mapping):
 
 
 def resolve_attention(choice: str, current: str | None, problem: str | None, varlen_name: str,
-                      default: str = TRANSFORMERS_DEFAULT) -> tuple[str, str]:  # fmt: skip
+                      default: str | tuple[str, ...] = TRANSFORMERS_DEFAULT) -> tuple[str, str]:  # fmt: skip
     """``(attn_implementation, why)`` for ``ODCConfig.attention`` = ``choice`` on a model now on ``current``.
 
     ``problem``: :func:`fa4_problem`'s answer for this run; ``varlen_name``: the ``sdpa_varlen`` setting ODCConfig
     names (``eager_varlen`` for a family without SDPA support); ``default``: what transformers gives this model when
-    asked for nothing (``"eager"`` for a family without SDPA support). Raises ValueError when ``flash_attention_4`` is
-    forced where it cannot run."""
+    asked for nothing (``"eager"`` for a family without SDPA support), or several such names. Raises ValueError when
+    ``flash_attention_4`` is forced where it cannot run."""
     if choice == "model":
         return current, "attention='model': the model's own"
     if choice == FLASH_ATTENTION_4:
@@ -172,9 +173,11 @@ def resolve_attention(choice: str, current: str | None, problem: str | None, var
         return FLASH_ATTENTION_4, "attention='flash_attention_4'"
     if choice == "sdpa_varlen":
         return varlen_name, "attention='sdpa_varlen'"
-    if current not in (None, default) and not is_varlen(current):
+    defaults = (default,) if isinstance(default, str) else tuple(default)
+    if current not in (None, *defaults) and not is_varlen(current):
+        shown = repr(defaults[0]) if len(defaults) == 1 else " / ".join(map(repr, defaults))
         return current, (f"attention='auto' keeps {current!r}: the model was given it (auto replaces only "
-                         f"transformers' default {default!r} and odc_hf's per-document attention)")  # fmt: skip
+                         f"transformers' default {shown} and odc_hf's per-document attention)")  # fmt: skip
     if problem is None:
         return FLASH_ATTENTION_4, "attention='auto': FlashAttention-4 runs here"
     return varlen_name, f"attention='auto': {varlen_name} because {problem}"
@@ -190,12 +193,19 @@ def fa4_variant_problem(needs: FamilyNeeds) -> str | None:
 
 
 def check_flash_variants(name: str | None, needs: FamilyNeeds) -> None:
-    """Refuse transformers' FlashAttention-2 for a family with attention sinks: transformers passes ``s_aux`` only to
-    kernels that take it, and FA2's do not (the model would silently train without its sinks)."""
+    """Refuse a kernel of transformers' that does not apply an attention variant the family uses: FlashAttention-2
+    with attention sinks (transformers passes ``s_aux`` only to kernels that take it, and FA2's do not), and SDPA with
+    soft-capping or sinks (torch's SDPA has neither: some transformers releases raise, 5.17 runs Gemma 2 on SDPA
+    without its soft-capping). Either would silently train a different model."""
     if name == "flash_attention_2" and needs.sinks:
         raise ValueError(f"{needs.family} uses attention sinks, which FlashAttention-2 does not apply (transformers "
                          "drops them): use ODCConfig(attention='auto') (FlashAttention-4 or eager_varlen) or load the "
                          "model with attn_implementation='eager'")  # fmt: skip
+    lacking = [what for what, used in (("soft-capping", needs.softcap), ("attention sinks", needs.sinks)) if used]
+    if name == "sdpa" and lacking:
+        raise ValueError(f"{needs.family} uses {' and '.join(lacking)}, which SDPA does not apply (the model is loaded "
+                         "with attn_implementation='sdpa'): use ODCConfig(attention='auto') (eager_varlen or "
+                         "FlashAttention-4) or load the model with attn_implementation='eager'")  # fmt: skip
 
 
 def choose_attention(trainer) -> AttentionChoice:
@@ -215,7 +225,12 @@ def choose_attention(trainer) -> AttentionChoice:
     problem = None
     if config.attention in ("auto", FLASH_ATTENTION_4):
         problem = fa4_problem(accelerator.device, dtype, model) or fa4_variant_problem(needs)
-    default = TRANSFORMERS_DEFAULT if needs.sdpa else "eager"  # what transformers picks when asked for nothing
+    # what transformers picks when asked for nothing: SDPA where the class allows it, else eager. A family whose
+    # soft-capping or sinks SDPA cannot compute has eager as its only exact choice in transformers, so auto replaces
+    # both (transformers 5.17 allows SDPA for Gemma 2 and picks it by default, dropping the soft-capping)
+    default = (TRANSFORMERS_DEFAULT,) if supports_sdpa(model) else ("eager",)
+    if not needs.sdpa:
+        default = tuple(dict.fromkeys((*default, "eager")))
     name, reason = resolve_attention(config.attention, current, problem, varlen_name, default)
     # multimodal models, non-attention layers, chunked attention outside transformers' masks: refused by name
     check_packable(model, masked=not (is_varlen(name) or is_flash(name)))

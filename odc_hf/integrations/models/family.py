@@ -45,7 +45,7 @@ class FamilyNeeds:
     window: bool = False
     softcap: bool = False
     sinks: bool = False
-    sdpa: bool = True  # transformers lets the family run SDPA (``_supports_sdpa``)
+    sdpa: bool = True  # SDPA computes the family's attention: transformers allows it and no soft-capping or sinks
 
     def variants(self) -> list[str]:
         return [name for name in ("window", "softcap", "sinks") if getattr(self, name)]
@@ -66,12 +66,16 @@ def needs_of(model) -> FamilyNeeds:
     layer_types = getattr(config, "layer_types", None)
     windows = getattr(config, "sliding_window", None) is not None and (
         layer_types is None or "sliding_attention" in layer_types)  # fmt: skip
+    softcap = getattr(config, "attn_logit_softcapping", None) is not None
+    sinks = any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
     return FamilyNeeds(
         family=str(getattr(config, "model_type", type(model).__name__)),
         window=bool(windows),
-        softcap=getattr(config, "attn_logit_softcapping", None) is not None,
-        sinks=any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()),
-        sdpa=supports_sdpa(model),
+        softcap=softcap,
+        sinks=sinks,
+        # SDPA has no soft-capping or sinks: such a family's definition is its eager attention, whatever the release
+        # says (transformers 5.17 lets Gemma 2 run SDPA, which drops its soft-capping; later releases do not)
+        sdpa=supports_sdpa(model) and not (softcap or sinks),
     )
 
 
