@@ -47,8 +47,7 @@ def sweep(names: list[str], windows: bool) -> dict[str, dict]:
 
     import odc_hf.attention
     from odc_hf.integrations.models import definition_check
-    from odc_hf.integrations.models.family import refusal
-    from odc_hf.integrations.upstream.transformers import supports_sdpa
+    from odc_hf.integrations.models.family import needs_of, refusal
 
     rows = {}
     for name in names:
@@ -64,7 +63,7 @@ def sweep(names: list[str], windows: bool) -> dict[str, dict]:
             if reason:
                 rows[name] = {"result": "refused", "why": reason}
                 continue
-            sdpa = supports_sdpa(shell)
+            sdpa = needs_of(shell).sdpa  # as the trainers decide it (soft-capping and sinks run eager)
             implementation = odc_hf.attention.VARLEN_ATTENTION if sdpa else odc_hf.attention.EAGER_VARLEN_ATTENTION
             verdict = definition_check.check_class(cls, config, implementation, sdpa=sdpa)
             rows[name] = {"result": "exact" if verdict.exact else "refused", "difference": verdict.difference,
