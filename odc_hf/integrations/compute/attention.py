@@ -228,9 +228,7 @@ def choose_attention(trainer) -> AttentionChoice:
     # what transformers picks when asked for nothing: SDPA where the class allows it, else eager. A family whose
     # soft-capping or sinks SDPA cannot compute has eager as its only exact choice in transformers, so auto replaces
     # both (transformers 5.17 allows SDPA for Gemma 2 and picks it by default, dropping the soft-capping)
-    default = (TRANSFORMERS_DEFAULT,) if supports_sdpa(model) else ("eager",)
-    if not needs.sdpa:
-        default = tuple(dict.fromkeys((*default, "eager")))
+    default = ((TRANSFORMERS_DEFAULT,) if supports_sdpa(model) else ()) + (() if needs.sdpa else ("eager",))
     name, reason = resolve_attention(config.attention, current, problem, varlen_name, default)
     # multimodal models, non-attention layers, chunked attention outside transformers' masks: refused by name
     check_packable(model, masked=not (is_varlen(name) or is_flash(name)))
