@@ -18,9 +18,9 @@ ALL_FA4 = frozenset({"q", "k", "v", "window_size", "softcap", "learnable_sink"})
 
 def test_flash_attention_2_with_sinks_is_refused_naming_the_family():
     with pytest.raises(ValueError, match=r"gpt_oss uses attention sinks, which FlashAttention-2 does not apply"):
-        attention.check_flash_variants("flash_attention_2", FamilyNeeds("gpt_oss", sinks=True))
-    attention.check_flash_variants("flash_attention_2", FamilyNeeds("llama"))  # twin: no sinks, no refusal
-    attention.check_flash_variants("sdpa_varlen", FamilyNeeds("gpt_oss", sinks=True))  # applied per document
+        attention.check_kernel_variants("flash_attention_2", FamilyNeeds("gpt_oss", sinks=True))
+    attention.check_kernel_variants("flash_attention_2", FamilyNeeds("llama"))  # twin: no sinks, no refusal
+    attention.check_kernel_variants("sdpa_varlen", FamilyNeeds("gpt_oss", sinks=True))  # applied per document
 
 
 @pytest.mark.parametrize(("needs", "what"), [(FamilyNeeds("gemma2", window=True, softcap=True), "soft-capping"),
@@ -30,10 +30,10 @@ def test_sdpa_with_soft_capping_or_sinks_is_refused_naming_the_family(needs, wha
     model so loaded under ``attention="model"``. Twins: SDPA for a family without either, eager for one with them."""
     with pytest.raises(ValueError, match=rf"^{needs.family} uses {what}, which SDPA does not apply \(the model is "
                        r"loaded with attn_implementation='sdpa'\): use ODCConfig\(attention='auto'\)"):  # fmt: skip
-        attention.check_flash_variants("sdpa", needs)
-    attention.check_flash_variants("sdpa", FamilyNeeds("mistral", window=True))
-    attention.check_flash_variants("eager", needs)
-    attention.check_flash_variants("eager_varlen", needs)
+        attention.check_kernel_variants("sdpa", needs)
+    attention.check_kernel_variants("sdpa", FamilyNeeds("mistral", window=True))
+    attention.check_kernel_variants("eager", needs)
+    attention.check_kernel_variants("eager_varlen", needs)
 
 
 @pytest.mark.parametrize(

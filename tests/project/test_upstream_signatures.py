@@ -7,7 +7,7 @@ that renames or reorders a parameter fails here by name (the newest-releases lan
 
 Regenerate the record after moving the lock: ``python tests/project/test_upstream_signatures.py --write``. Another
 release odc_hf supports (the GPU image's transformers 5.17) may differ where odc_hf's use does not depend on it:
-``--write-release`` on that release records its differences (tests/upstream_signatures_releases.json, under the
+``--write-release`` on that release records its differences (tests/project/upstream_signatures_releases.json, under the
 installed versions), after reading each one against odc_hf's calls; the test accepts them on that release only."""
 
 from __future__ import annotations

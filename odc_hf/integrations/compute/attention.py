@@ -192,7 +192,7 @@ def fa4_variant_problem(needs: FamilyNeeds) -> str | None:
     return f"{needs.family} uses {gap} and the installed FlashAttention-4's varlen kernel takes no {names}"
 
 
-def check_flash_variants(name: str | None, needs: FamilyNeeds) -> None:
+def check_kernel_variants(name: str | None, needs: FamilyNeeds) -> None:
     """Refuse a kernel of transformers' that does not apply an attention variant the family uses: FlashAttention-2
     with attention sinks (transformers passes ``s_aux`` only to kernels that take it, and FA2's do not), and SDPA with
     soft-capping or sinks (torch's SDPA has neither: some transformers releases raise, 5.17 runs Gemma 2 on SDPA
@@ -232,7 +232,7 @@ def choose_attention(trainer) -> AttentionChoice:
     name, reason = resolve_attention(config.attention, current, problem, varlen_name, default)
     # multimodal models, non-attention layers, chunked attention outside transformers' masks: refused by name
     check_packable(model, masked=not (is_varlen(name) or is_flash(name)))
-    check_flash_variants(name, needs)
+    check_kernel_variants(name, needs)
     # the model's own code on a packed row against each document alone: refused by name when they differ
     verdict = verify_definition(model, name, sdpa=needs.sdpa)
     for target in (model, getattr(trainer, "ref_model", None)):
