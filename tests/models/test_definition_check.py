@@ -5,6 +5,8 @@ Failure classes (tiny configs of families in transformers, fp32, CPU):
 - a decoder layer that does not pass its keyword arguments on (Nemotron, StableLM, Falcon): the document boundaries
   never reach the attention, so the row's documents attend to each other;
 - a sliding window that lives only in the model's mask (Phi-MoE): the attention is never handed it;
+- an attention that drops the soft-cap (Gemma 2 through an attention that ignores ``softcap``, as transformers 5.17's
+  SDPA does): invisible at the model's own cap on a small copy, caught at the probe's cap;
 - a family whose code cannot run a packed row at all (Falcon with ALiBi: it needs a padding mask);
 - a router loss TRL computes from names the family's config does not have (GraniteMoE, JetMoE).
 Controls: Llama (plain), Qwen2-MoE with a sliding layer (a window kept as a layer attribute, applied by odc_hf), the
@@ -13,9 +15,12 @@ check's own row with its boundaries removed (the check must see documents attend
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import transformers as t
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from packaging.version import Version
 
 import odc_hf.attention.varlen
@@ -29,6 +34,7 @@ FALCON_TAKES_AN_ATTENTION = TRANSFORMERS >= Version("5.25")  # before, Falcon ig
 FALCON_MASKS_KEEP_DOCUMENTS_APART = TRANSFORMERS >= Version("5.24")  # its own masks over a packed row
 CHUNKED_MASKS_KEEP_DOCUMENTS_APART = TRANSFORMERS >= Version("5.23")  # Llama 4's chunked masks over a packed row
 LLAMA4_UNCHUNKED_LAYERS_ARE_FULL = TRANSFORMERS >= Version("5.24")  # before: "chunked_attention" with no chunk size
+GEMMA2_RUNS_SDPA = TRANSFORMERS < Version("5.21")  # and its SDPA drops the soft-cap; from 5.21 Gemma 2 refuses SDPA
 
 SIZE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0)  # fmt: skip
@@ -152,6 +158,70 @@ def test_the_check_runs_once_per_model_and_attention():
     assert dc.LAST_COST["family"] == "llama" and dc.LAST_COST["on"] == "a small copy"
 
 
+def gemma2(cap=50.0):
+    return tiny(lambda: t.Gemma2ForCausalLM(t.Gemma2Config(**SIZE, head_dim=8, sliding_window=WINDOW,
+                                                           attn_logit_softcapping=cap)))  # fmt: skip
+
+
+def _attention_without_softcap(module, query, key, value, attention_mask, **kwargs):
+    kwargs.pop("softcap", None)  # the fault: the family's cap is handed over and applied nowhere
+    return gemma2_modeling.eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+DROPS_SOFTCAP = "odc_hf_test_drops_softcap"
+gemma2_modeling = importlib.import_module("transformers.models.gemma2.modeling_gemma2")
+t.AttentionInterface.register(DROPS_SOFTCAP, _attention_without_softcap)
+AttentionMaskInterface.register(DROPS_SOFTCAP, eager_mask)
+
+
+def test_an_attention_that_drops_the_soft_cap_is_refused_naming_the_soft_cap(monkeypatch):
+    with pytest.raises(dc.DefinitionMismatch, match=r"soft-capping \(attn_logit_softcapping\) is applied by only one of") as refused:
+        dc.verify_definition(gemma2(), DROPS_SOFTCAP, sdpa=False)
+    assert "gemma2" in str(refused.value) and "attn_implementation='eager'" in str(refused.value), refused.value
+    # controls: the attention odc_hf trains Gemma 2 with applies the cap; a family without a cap is not refused
+    assert dc.verify_definition(gemma2(), "eager_varlen", sdpa=False).exact
+    assert dc.verify_definition(gemma2(cap=None), DROPS_SOFTCAP, sdpa=False).exact
+    # broken twin of the check: at the model's own cap (no shrinking) the small copy cannot see the dropped cap
+    dc._verdicts.clear()
+    monkeypatch.setattr(dc, "PROBE_SOFTCAP", 50.0)
+    blind = dc.check_definition(gemma2(), DROPS_SOFTCAP, sdpa=False)
+    assert blind.exact and blind.difference < dc.THRESHOLD / 10, blind
+
+
+def _attention_without_sinks(module, query, key, value, attention_mask, **kwargs):
+    kwargs.pop("s_aux", None)  # the fault: the family's sinks are handed over and applied nowhere
+    sinks = module.sinks
+    module.sinks = torch.nn.Parameter(torch.full_like(sinks, -1e4))  # exp(-1e4) = 0: no sink
+    try:
+        return gpt_oss_modeling.eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    finally:
+        module.sinks = sinks
+
+
+DROPS_SINKS = "odc_hf_test_drops_sinks"
+gpt_oss_modeling = importlib.import_module("transformers.models.gpt_oss.modeling_gpt_oss")
+t.AttentionInterface.register(DROPS_SINKS, _attention_without_sinks)
+AttentionMaskInterface.register(DROPS_SINKS, eager_mask)
+
+
+def test_an_attention_that_drops_the_sinks_is_refused_without_blaming_the_window():
+    model = tiny(lambda: t.GptOssForCausalLM(t.GptOssConfig(**SIZE, head_dim=8, sliding_window=WINDOW,
+                                                            num_local_experts=4, num_experts_per_tok=2)))  # fmt: skip
+    with pytest.raises(dc.DefinitionMismatch, match="with and without the model's windows") as refused:
+        dc.verify_definition(model, DROPS_SINKS, sdpa=False)
+    assert "gpt_oss" in str(refused.value) and "sliding window is not applied" not in str(refused.value)
+    assert dc.verify_definition(model, "eager_varlen", sdpa=False).exact  # control: odc_hf's attention applies them
+
+
+def test_the_check_itself_sees_transformers_sdpa_drop_gemma2s_soft_cap():
+    # with SDPA as the model's own attention (what transformers 5.17-5.20 load Gemma 2 with), the reference drops the
+    # cap and odc_hf's attention applies it: the check says so; from 5.21 transformers refuses SDPA for Gemma 2
+    words = (r"soft-capping \(attn_logit_softcapping\) is applied by only one of 'eager_varlen' and the model's own "
+             r"'sdpa'") if GEMMA2_RUNS_SDPA else "does not support an attention implementation through"  # fmt: skip
+    with pytest.raises(dc.DefinitionMismatch, match=words):
+        dc.verify_definition(gemma2(), "eager_varlen", sdpa=True)
+
+
 def test_the_probe_keeps_layers_and_switches_and_shrinks_widths_and_windows():
     config = t.Gemma3TextConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=6, num_attention_heads=8,
                                 num_key_value_heads=4, head_dim=256, sliding_window=512, vocab_size=1000)  # fmt: skip
@@ -159,6 +229,9 @@ def test_the_probe_keeps_layers_and_switches_and_shrinks_widths_and_windows():
     assert (probe.hidden_size, probe.num_attention_heads, probe.num_key_value_heads, probe.head_dim) == (32, 4, 2, 8)
     assert probe.sliding_window == dc.PROBE_WINDOW < min(dc.PROBE_DOCUMENTS)
     assert probe.num_hidden_layers == 6 and probe.layer_types == config.layer_types
+    assert probe.attn_logit_softcapping is None  # no cap: none added
+    capped = dc.probe_config(t.Gemma2Config(attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
+    assert capped.attn_logit_softcapping == dc.PROBE_SOFTCAP and capped.final_logit_softcapping == 30.0
     assert config.hidden_size == 2048  # the model's own config is untouched
 
 

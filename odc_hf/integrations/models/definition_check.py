@@ -8,7 +8,8 @@ own code on a packed row and compares:
 
 - **the probe**: a small copy of the model, built from its own class (the modeling code it will train) on its config
   with the widths shrunk (hidden 32, 4 heads, 4 experts ...; layer count, layer types, norms, rotary, biases and every
-  other switch kept), every window shrunk to :data:`PROBE_WINDOW` tokens, fp32 on the CPU, seeded;
+  other switch kept), every window shrunk to :data:`PROBE_WINDOW` tokens and every attention soft-cap to
+  :data:`PROBE_SOFTCAP`, fp32 on the CPU, seeded;
 - **packed**: one row of :data:`PROBE_DOCUMENTS` (each longer than the window), with ``position_ids`` restarting at
   every document and the boundaries ``cu_seq_lens_q/k`` / ``max_length_q/k``, exactly what odc_hf's collators give the
   model, through the attention odc_hf will train it with;
@@ -45,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 PROBE_WINDOW = 4
 """Tokens of every sliding window in the probe (documents are longer, so a window not applied shows)."""
+PROBE_SOFTCAP = 1e-3
+"""Every attention-logit soft-cap of the probe (``attn_logit_softcapping``). A small copy's attention logits are far
+below a real cap (Gemma 2's 50), where a cap not applied changes nothing measurable; at this cap, a cap dropped moves
+the probe's logits by ~4e-3 relative, 40x the threshold (docs/models.md)."""
 PROBE_DOCUMENTS = (11, 6, 9)
 """Document lengths of the probe's packed row."""
 THRESHOLD = 1e-4
@@ -140,7 +145,31 @@ def probe_config(config):
     for name, value in list(vars(config).items()):
         if "window" in name and _int(value) and value > PROBE_WINDOW:
             setattr(config, name, PROBE_WINDOW)
+    for name in _softcaps(config):
+        setattr(config, name, PROBE_SOFTCAP)
     config.use_cache = False
+    return config
+
+
+def _softcaps(config) -> list[str]:
+    """Names of ``config``'s attention-logit soft-caps that are set."""
+    return [n for n, v in vars(config).items() if "attn" in n and "softcap" in n and isinstance(v, (int, float)) and v]
+
+
+def _without_softcaps(config):
+    config = copy.deepcopy(config)
+    for name in _softcaps(config):
+        setattr(config, name, None)
+    return config
+
+
+def _without_windows(config):
+    config = copy.deepcopy(config)
+    for name in [n for n, v in vars(config).items() if "window" in n and _int(v)]:
+        setattr(config, name, None)
+    types = _get(config, "layer_types")
+    if isinstance(types, list):
+        config.layer_types = ["full_attention" if kind == "sliding_attention" else kind for kind in types]
     return config
 
 
@@ -233,6 +262,17 @@ def _run(model, implementation: str, reference: str, ids, bounds, record: bool =
     return packed, alone, packed_layers, alone_layers
 
 
+SOFTCAP_NOT_APPLIED = ("the model's attention soft-capping ({names}) is applied by only one of {trained!r} and the "
+                       "model's own {reference!r} (the other drops the softcap argument): the same check without it "
+                       "passes")  # fmt: skip
+WINDOW_NOT_APPLIED = ("the model's sliding window is not applied inside each document (it lives in the model's mask, "
+                      "and the attention layer is not handed it)")  # fmt: skip
+OTHER_DIFFERENCE = ("the packed row's outputs differ from each document's alone, with and without the model's windows "
+                    "and soft-caps (an attention argument such as sinks, scaling or dropout applied differently)")  # fmt: skip
+BOUNDARIES_LOST = ("documents of the packed row attend to each other: the document boundaries (cu_seq_lens_q/k) do "
+                   "not reach the attention (a decoder layer that does not pass its keyword arguments on)")  # fmt: skip
+
+
 def _compare(model, trained: str, reference: str, varlen: str, lengths, windowed: bool) -> tuple:
     """(difference, control, layer, what, works) of ``model`` (its device and dtype) on a packed row of ``lengths``."""
     bounds = _document_bounds(lengths)
@@ -253,11 +293,9 @@ def _compare(model, trained: str, reference: str, varlen: str, lengths, windowed
         _, _, packed_layers, alone_layers = _run(model, trained, reference, ids, bounds, record=True)
         layer = _first_difference(packed_layers, alone_layers)
         if _relative(packed, control) <= THRESHOLD:
-            what = ("documents of the packed row attend to each other: the document boundaries (cu_seq_lens_q/k) do "
-                    "not reach the attention (a decoder layer that does not pass its keyword arguments on)")  # fmt: skip
+            what = BOUNDARIES_LOST
         elif windowed:
-            what = ("the model's sliding window is not applied inside each document (it lives in the model's mask, "
-                    "and the attention layer is not handed it)")  # fmt: skip
+            what = WINDOW_NOT_APPLIED
         else:
             what = "the packed row's outputs differ from each document's alone"
         if trained != reference:
@@ -322,6 +360,8 @@ def check_class(cls, config, implementation: str, *, sdpa: bool = True, instance
             probe = _build_probe(cls, probe_cfg)
             outcome = _compare(probe, trained, reference, varlen, PROBE_DOCUMENTS, bool(_windows(probe_cfg)))
             where = "a small copy"
+            if outcome[0] > THRESHOLD and outcome[3] is not BOUNDARIES_LOST:
+                outcome = (*outcome[:3], _what_differed(cls, probe_cfg, trained, reference, varlen), outcome[4])
         except DefinitionMismatch:
             raise
         except Exception as error:  # noqa: BLE001 - no small copy of this config: the model itself, or the cause
@@ -346,6 +386,28 @@ def check_class(cls, config, implementation: str, *, sdpa: bool = True, instance
     LAST_COST.update(family=family, seconds=seconds, difference=outcome[0], control=outcome[1], on=where)
     _verdicts[key] = verdict
     return verdict
+
+
+def _what_differed(cls, probe_cfg, trained: str, reference: str, varlen: str) -> str:
+    """What differed on the small copy, found by taking each argument away (same weights and row) and checking again:
+    the soft-cap, else the window; an argument whose removal makes the check pass is the one not applied."""
+    candidates = []
+    if _softcaps(probe_cfg):
+        candidates.append((_without_softcaps, SOFTCAP_NOT_APPLIED.format(names=", ".join(_softcaps(probe_cfg)), trained=trained,
+                                                                 reference=reference)))
+    if _windows(probe_cfg):
+        candidates.append((_without_windows, WINDOW_NOT_APPLIED))
+    for remove, what in candidates:
+        try:
+            torch.manual_seed(0)
+            probe = _build_probe(cls, remove(probe_cfg))
+            if _compare(probe, trained, reference, varlen, PROBE_DOCUMENTS, False)[0] <= THRESHOLD:
+                return what
+        except DefinitionMismatch:
+            raise
+        except Exception:  # noqa: BLE001 - the family needs that argument to build: not this one
+            continue
+    return OTHER_DIFFERENCE
 
 
 def _on_instance(model, trained: str, reference: str, varlen: str) -> tuple:
