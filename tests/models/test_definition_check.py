@@ -320,6 +320,14 @@ def test_chunked_attention_through_transformers_masks_passes_the_static_refusals
     with pytest.raises(ValueError, match="chunked attention"):
         check_packable(model)  # odc_hf's own attention does not apply the chunks
     check_packable(model, masked=True)  # the refusal's advice: transformers' masks (chunked layers are attention)
+    # chunked layers with no chunk size in the config (Llama 4 text on transformers < 5.24): the same refusal and
+    # advice, not "not attention layers" (the old words, the mutation this catches)
+    model.config.attention_chunk_size, model.config.layer_types = None, ["chunked_attention"] * 2
+    with pytest.raises(ValueError, match=r"llama4_text uses chunked attention \(layers of type 'chunked_attention'\)"
+                       r".*attention='model'"):  # fmt: skip
+        check_packable(model)
+    check_packable(model, masked=True)
+    model = llama4_text()
     if CHUNKED_MASKS_KEEP_DOCUMENTS_APART:
         assert dc.check_definition(model, "sdpa").exact
     else:  # transformers' chunked masks mix a packed row's documents: the check refuses the advice's setting too
@@ -383,7 +391,7 @@ def test_the_grpo_trainer_refuses_a_family_trls_fused_head_cannot_score(tmp_path
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_steps=1,
                       use_cpu=True, report_to="none", router_aux_loss_coef=0.0)  # fmt: skip
     words = "TRL's fused LM head fails on llama4_text" if LLAMA4_UNCHUNKED_LAYERS_ARE_FULL else (
-        "llama4_text has layers of type \\['chunked_attention'\\]")  # refused earlier, by its layer types
+        "llama4_text uses chunked attention \\(layers of type 'chunked_attention'\\)")  # refused earlier, by name
     with pytest.raises(dc.DefinitionMismatch if LLAMA4_UNCHUNKED_LAYERS_ARE_FULL else ValueError, match=words):
         ODCGRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
                        train_dataset=Dataset.from_dict({"prompt": ["a b c"] * 8}), processing_class=tokenizer)  # fmt: skip

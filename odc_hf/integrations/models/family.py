@@ -125,10 +125,12 @@ def refusal(model, masked: bool = False) -> str | None:
     multimodal = multimodal_refusal(config, name)
     if multimodal:
         return multimodal
-    if getattr(text, "attention_chunk_size", None) and not masked:
-        return (f"{family} uses chunked attention (attention_chunk_size={text.attention_chunk_size}), which lives in "
-                "its masks only: odc_hf's per-document attention does not apply it. Use ODCConfig(attention='model') "
-                "with attn_implementation='sdpa' (transformers' own masks over packed rows)")  # fmt: skip
+    chunk = getattr(text, "attention_chunk_size", None)
+    if (chunk or "chunked_attention" in (getattr(text, "layer_types", None) or ())) and not masked:
+        what = f"attention_chunk_size={chunk}" if chunk else "layers of type 'chunked_attention'"
+        return (f"{family} uses chunked attention ({what}), which lives in its masks only: odc_hf's per-document "
+                "attention does not apply it. Use ODCConfig(attention='model') with attn_implementation='sdpa' "
+                "(transformers' own masks over packed rows)")  # fmt: skip
     if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:
         return f"{family} is configured for bidirectional attention; odc_hf trains causal language models"
     # chunked-attention layers are attention layers whose chunks live in transformers' masks (checked above)
