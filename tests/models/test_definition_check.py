@@ -20,8 +20,8 @@ import importlib
 import pytest
 import torch
 import transformers as t
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from packaging.version import Version
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 import odc_hf.attention.varlen
 from odc_hf.integrations.compute.cost_model import flop_cost_model
@@ -69,9 +69,9 @@ def qwen2_moe_window():
 
 @pytest.fixture(autouse=True)
 def fresh_verdicts():
-    dc._verdicts.clear()
+    dc._verdicts.clear(), dc._fused_verdicts.clear()
     yield
-    dc._verdicts.clear()
+    dc._verdicts.clear(), dc._fused_verdicts.clear()
 
 
 def test_a_plain_family_passes_and_the_check_sees_documents_attending_to_each_other():
@@ -207,7 +207,7 @@ AttentionMaskInterface.register(DROPS_SINKS, eager_mask)
 def test_an_attention_that_drops_the_sinks_is_refused_without_blaming_the_window():
     model = tiny(lambda: t.GptOssForCausalLM(t.GptOssConfig(**SIZE, head_dim=8, sliding_window=WINDOW,
                                                             num_local_experts=4, num_experts_per_tok=2)))  # fmt: skip
-    with pytest.raises(dc.DefinitionMismatch, match="with and without the model's windows") as refused:
+    with pytest.raises(dc.DefinitionMismatch, match="also with the model's windows taken away") as refused:
         dc.verify_definition(model, DROPS_SINKS, sdpa=False)
     assert "gpt_oss" in str(refused.value) and "sliding window is not applied" not in str(refused.value)
     assert dc.verify_definition(model, "eager_varlen", sdpa=False).exact  # control: odc_hf's attention applies them
@@ -220,6 +220,29 @@ def test_the_check_itself_sees_transformers_sdpa_drop_gemma2s_soft_cap():
              r"'sdpa'") if GEMMA2_RUNS_SDPA else "does not support an attention implementation through"  # fmt: skip
     with pytest.raises(dc.DefinitionMismatch, match=words):
         dc.verify_definition(gemma2(), "eager_varlen", sdpa=True)
+
+
+def test_a_fused_head_that_drops_the_final_soft_cap_is_refused(monkeypatch):
+    import trl.trainer.utils
+
+    assert dc.fused_head_problem(gemma2()) is None  # control: TRL's head applies Gemma 2's final soft-cap
+    add = trl.trainer.utils.add_fused_lm_head
+
+    def add_without_the_cap(model, *args, **kwargs):  # the fault: a head built as if the family had no final cap
+        cap, model.config.final_logit_softcapping = model.config.final_logit_softcapping, None
+        try:
+            return add(model, *args, **kwargs)
+        finally:
+            model.config.final_logit_softcapping = cap
+
+    monkeypatch.setattr(trl.trainer.utils, "add_fused_lm_head", add_without_the_cap)
+    dc._fused_verdicts.clear()
+    with pytest.raises(dc.DefinitionMismatch, match="TRL's fused LM head's loss differs from gemma2's own by"):
+        dc.verify_fused_head(gemma2())
+    # broken twin of the check: at the model's own final cap (30) the small copy cannot see the dropped cap
+    dc._fused_verdicts.clear()
+    monkeypatch.setattr(dc, "PROBE_FINAL_SOFTCAP", 30.0)
+    assert dc.fused_head_problem(gemma2()) is None
 
 
 def test_the_probe_keeps_layers_and_switches_and_shrinks_widths_and_windows():

@@ -267,8 +267,9 @@ SOFTCAP_NOT_APPLIED = ("the model's attention soft-capping ({names}) is applied 
                        "passes")  # fmt: skip
 WINDOW_NOT_APPLIED = ("the model's sliding window is not applied inside each document (it lives in the model's mask, "
                       "and the attention layer is not handed it)")  # fmt: skip
-OTHER_DIFFERENCE = ("the packed row's outputs differ from each document's alone, with and without the model's windows "
-                    "and soft-caps (an attention argument such as sinks, scaling or dropout applied differently)")  # fmt: skip
+OUTPUTS_DIFFER = "the packed row's outputs differ from each document's alone"
+OTHER_DIFFERENCE = (OUTPUTS_DIFFER + ", also with the model's {what} taken away (something else differs: attention "
+                    "sinks, scaling or dropout applied differently, or a layer that reads the whole row)")  # fmt: skip
 BOUNDARIES_LOST = ("documents of the packed row attend to each other: the document boundaries (cu_seq_lens_q/k) do "
                    "not reach the attention (a decoder layer that does not pass its keyword arguments on)")  # fmt: skip
 
@@ -297,7 +298,7 @@ def _compare(model, trained: str, reference: str, varlen: str, lengths, windowed
         elif windowed:
             what = WINDOW_NOT_APPLIED
         else:
-            what = "the packed row's outputs differ from each document's alone"
+            what = OUTPUTS_DIFFER
         if trained != reference:
             masked, alone_again, _, _ = _run(model, reference, reference, ids, bounds)
             if _relative(masked, alone_again) <= THRESHOLD:
@@ -391,11 +392,13 @@ def check_class(cls, config, implementation: str, *, sdpa: bool = True, instance
 def _what_differed(cls, probe_cfg, trained: str, reference: str, varlen: str) -> str:
     """What differed on the small copy, found by taking each argument away (same weights and row) and checking again:
     the soft-cap, else the window; an argument whose removal makes the check pass is the one not applied."""
-    candidates = []
+    candidates, names = [], []
     if _softcaps(probe_cfg):
-        candidates.append((_without_softcaps, SOFTCAP_NOT_APPLIED.format(names=", ".join(_softcaps(probe_cfg)), trained=trained,
-                                                                 reference=reference)))
+        names.append("soft-caps")
+        what = SOFTCAP_NOT_APPLIED.format(names=", ".join(_softcaps(probe_cfg)), trained=trained, reference=reference)
+        candidates.append((_without_softcaps, what))
     if _windows(probe_cfg):
+        names.append("windows")
         candidates.append((_without_windows, WINDOW_NOT_APPLIED))
     for remove, what in candidates:
         try:
@@ -407,7 +410,7 @@ def _what_differed(cls, probe_cfg, trained: str, reference: str, varlen: str) ->
             raise
         except Exception:  # noqa: BLE001 - the family needs that argument to build: not this one
             continue
-    return OTHER_DIFFERENCE
+    return OTHER_DIFFERENCE.format(what=" and ".join(names)) if names else OUTPUTS_DIFFER
 
 
 def _on_instance(model, trained: str, reference: str, varlen: str) -> tuple:
@@ -516,6 +519,10 @@ def dropout_settings(model) -> dict[str, float]:
 
 FUSED_HEAD_TOLERANCE = 1e-5
 """Relative difference between TRL's fused LM head loss and the model's own loss that counts as float noise (fp32)."""
+PROBE_FINAL_SOFTCAP = 0.1
+"""The final-logit soft-cap (``final_logit_softcapping``) of the fused-head check's small copy. Its logits (at most
+~0.4) are far below a real cap (Gemma 2's 30), where a head that drops the cap moves the loss by 1e-7; at this cap, by
+2e-3, 200x the tolerance (docs/models.md)."""
 _fused_verdicts: dict = {}
 
 
@@ -539,6 +546,9 @@ def fused_head_problem(model) -> str | None:
         torch.manual_seed(0)
         try:
             probe_cfg = probe_config(base.config)
+            for config in {id(c): c for c in (probe_cfg, probe_cfg.get_text_config())}.values():
+                if _get(config, "final_logit_softcapping"):
+                    config.final_logit_softcapping = PROBE_FINAL_SOFTCAP
             probe = _build_probe(type(base), probe_cfg)
         except Exception:  # noqa: BLE001 - no small copy: nothing to check it on without touching the model
             _fused_verdicts[key] = None
