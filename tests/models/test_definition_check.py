@@ -255,6 +255,8 @@ def test_the_probe_keeps_layers_and_switches_and_shrinks_widths_and_windows():
     assert probe.attn_logit_softcapping is None  # no cap: none added
     capped = dc.probe_config(t.Gemma2Config(attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
     assert capped.attn_logit_softcapping == dc.PROBE_SOFTCAP and capped.final_logit_softcapping == 30.0
+    capped.use_attn_softcapping = True  # a switch, not a cap: kept
+    assert dc.probe_config(capped).use_attn_softcapping is True
     assert config.hidden_size == 2048  # the model's own config is untouched
 
 

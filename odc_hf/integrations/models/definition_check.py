@@ -21,7 +21,8 @@ own code on a packed row and compares:
 
 The packed logits must equal the reference's within :data:`THRESHOLD` (relative to the logits' scale; fp32 float noise
 on these probes is ~1e-7). Otherwise the run is refused by name: the family, the first attention layer whose output
-differed, what differed (documents attending to each other, or a window not applied), and a setting that works,
+differed, what differed (documents attending to each other; else found by taking the soft-caps, then the windows,
+away and checking again: the one whose removal makes the check pass was not applied), and a setting that works,
 itself checked the same way (transformers' masks over packed rows: ``ODCConfig(attention="model")`` with
 ``attn_implementation="sdpa"``), or TRL's own trainer when none does.
 
@@ -153,7 +154,11 @@ def probe_config(config):
 
 def _softcaps(config) -> list[str]:
     """Names of ``config``'s attention-logit soft-caps that are set."""
-    return [n for n, v in vars(config).items() if "attn" in n and "softcap" in n and isinstance(v, (int, float)) and v]
+    return [n for n, v in vars(config).items() if "attn" in n and "softcap" in n and _number(v) and v]
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _without_softcaps(config):
