@@ -245,6 +245,27 @@ def test_a_fused_head_that_drops_the_final_soft_cap_is_refused(monkeypatch):
     assert dc.fused_head_problem(gemma2()) is None
 
 
+def test_without_a_small_copy_the_check_runs_on_the_model_itself_and_puts_it_back(monkeypatch):
+    def no_small_copy(cls, config):
+        raise ValueError("its small copy would have 200M parameters")
+
+    monkeypatch.setattr(dc, "_build_probe", no_small_copy)
+    model = llama().train()
+    model.set_attn_implementation("eager")
+    verdict = dc.verify_definition(model, "sdpa_varlen")
+    assert verdict.exact and verdict.control > dc.SENSITIVITY * dc.THRESHOLD, verdict
+    assert dc.LAST_COST["on"] == "the model itself"
+    assert model.training and model.config._attn_implementation == "eager"  # put back as it was
+    with pytest.raises(dc.DefinitionMismatch, match="nemotron .*documents of the packed row attend to each other"):
+        dc.verify_definition(nemotron(), "sdpa_varlen")
+    with pytest.raises(dc.DefinitionMismatch, match=r"sliding windows, likely not applied inside each document \(checked on the model itself"):
+        dc.verify_definition(phimoe(), "sdpa_varlen")
+    # and with no small copy and no model, a clear refusal (not the verdict cached for the same config above)
+    dc._verdicts.clear()
+    with pytest.raises(dc.DefinitionMismatch, match="could not build a small copy of llama .*200M parameters"):
+        dc.check_class(t.LlamaForCausalLM, t.LlamaConfig(**SIZE), "sdpa_varlen")
+
+
 def test_the_probe_keeps_layers_and_switches_and_shrinks_widths_and_windows():
     config = t.Gemma3TextConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=6, num_attention_heads=8,
                                 num_key_value_heads=4, head_dim=256, sliding_window=512, vocab_size=1000)  # fmt: skip
