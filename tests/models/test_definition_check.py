@@ -158,9 +158,9 @@ def test_the_check_runs_once_per_model_and_attention():
     assert dc.LAST_COST["family"] == "llama" and dc.LAST_COST["on"] == "a small copy"
 
 
-def gemma2(cap=50.0):
+def gemma2(cap=50.0, tied=True):
     return tiny(lambda: t.Gemma2ForCausalLM(t.Gemma2Config(**SIZE, head_dim=8, sliding_window=WINDOW,
-                                                           attn_logit_softcapping=cap)))  # fmt: skip
+                                                           attn_logit_softcapping=cap, tie_word_embeddings=tied)))  # fmt: skip
 
 
 def _attention_without_softcap(module, query, key, value, attention_mask, **kwargs):
@@ -222,10 +222,11 @@ def test_the_check_itself_sees_transformers_sdpa_drop_gemma2s_soft_cap():
         dc.verify_definition(gemma2(), "eager_varlen", sdpa=True)
 
 
-def test_a_fused_head_that_drops_the_final_soft_cap_is_refused(monkeypatch):
+@pytest.mark.parametrize("tied", [True, False], ids=["tied_head", "untied_head"])
+def test_a_fused_head_that_drops_the_final_soft_cap_is_refused(monkeypatch, tied):
     import trl.trainer.utils
 
-    assert dc.fused_head_problem(gemma2()) is None  # control: TRL's head applies Gemma 2's final soft-cap
+    assert dc.fused_head_problem(gemma2(tied=tied)) is None  # control: TRL's head applies Gemma 2's final soft-cap
     add = trl.trainer.utils.add_fused_lm_head
 
     def add_without_the_cap(model, *args, **kwargs):  # the fault: a head built as if the family had no final cap
@@ -238,11 +239,11 @@ def test_a_fused_head_that_drops_the_final_soft_cap_is_refused(monkeypatch):
     monkeypatch.setattr(trl.trainer.utils, "add_fused_lm_head", add_without_the_cap)
     dc._fused_verdicts.clear()
     with pytest.raises(dc.DefinitionMismatch, match="TRL's fused LM head's loss differs from gemma2's own by"):
-        dc.verify_fused_head(gemma2())
+        dc.verify_fused_head(gemma2(tied=tied))
     # broken twin of the check: at the model's own final cap (30) the small copy cannot see the dropped cap
     dc._fused_verdicts.clear()
     monkeypatch.setattr(dc, "PROBE_FINAL_SOFTCAP", 30.0)
-    assert dc.fused_head_problem(gemma2()) is None
+    assert dc.fused_head_problem(gemma2(tied=tied)) is None
 
 
 def test_without_a_small_copy_the_check_runs_on_the_model_itself_and_puts_it_back(monkeypatch):
