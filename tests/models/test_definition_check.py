@@ -105,6 +105,22 @@ def test_a_layer_that_drops_the_boundaries_is_refused_by_name_with_a_setting_tha
     assert dc.check_definition(model, "sdpa").exact
 
 
+@pytest.mark.parametrize("family,build", [
+    ("bloom", lambda: tiny(lambda: t.BloomForCausalLM(t.BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4)))),
+    ("rwkv", lambda: tiny(lambda: t.RwkvForCausalLM(t.RwkvConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                                                 attention_hidden_size=32, intermediate_size=64)))),
+])  # fmt: skip
+def test_a_family_that_never_calls_odc_hfs_attention_is_refused_for_that_not_for_dropped_boundaries(family, build):
+    # Bloom computes ALiBi attention itself, RWKV is recurrent: neither reaches transformers' attention interface, so
+    # no boundary can help; the words must not send the user looking for a decoder layer that drops its kwargs
+    with pytest.raises(dc.DefinitionMismatch, match="never calls the attention odc_hf trains with") as refused:
+        dc.verify_definition(build(), "sdpa_varlen")
+    assert family in str(refused.value) and "keyword arguments" not in str(refused.value)
+    # its contrast: Nemotron does call odc_hf's attention (without the boundaries) and is told so
+    with pytest.raises(dc.DefinitionMismatch, match="do not reach the attention .*keyword arguments"):
+        dc.verify_definition(nemotron(), "sdpa_varlen")
+
+
 def test_a_window_that_lives_only_in_the_mask_is_refused_and_its_control_passes():
     with pytest.raises(dc.DefinitionMismatch, match="sliding window is not applied") as refused:
         dc.verify_definition(phimoe(), "sdpa_varlen")
@@ -280,6 +296,25 @@ def test_the_probe_keeps_layers_and_switches_and_shrinks_widths_and_windows():
     capped.use_attn_softcapping = True  # a switch, not a cap: kept
     assert dc.probe_config(capped).use_attn_softcapping is True
     assert config.hidden_size == 2048  # the model's own config is untouched
+
+
+@pytest.mark.parametrize("cls,config,share", [
+    (t.GPTJForCausalLM, t.GPTJConfig(n_embd=4096, n_head=16, rotary_dim=64, n_layer=2, vocab_size=128), 2),  # 6B: 1/4
+    (t.CodeGenForCausalLM, t.CodeGenConfig(n_embd=1024, n_head=16, rotary_dim=32, n_layer=2, vocab_size=128), 4),
+    (t.GPTJForCausalLM, t.GPTJConfig(n_embd=256, n_head=4, rotary_dim=64, n_layer=2, vocab_size=128), 8),  # all of it
+])  # fmt: skip
+def test_rotary_on_part_of_each_head_keeps_its_share_in_the_small_copy(cls, config, share):
+    # the mutation: rotary_dim left at the model's (64) is wider than the probe's heads (8); the small copy then cannot
+    # run and the check falls back to the model itself (a 6B forward for GPT-J)
+    assert dc.probe_config(config).rotary_dim == share and dc.HEAD_DIM == 8
+    verdict = dc.check_class(cls, config, "sdpa_varlen")
+    assert verdict.exact and verdict.control > dc.SENSITIVITY * dc.THRESHOLD, verdict
+    assert dc.LAST_COST["on"] == "a small copy"
+
+
+def test_encoder_decoder_head_counts_are_shrunk_with_the_width():
+    probe = dc.probe_config(t.WhisperConfig(encoder_attention_heads=6, decoder_attention_heads=6, d_model=384))
+    assert (probe.d_model, probe.encoder_attention_heads, probe.decoder_attention_heads) == (32, 4, 4)
 
 
 # -- the runtime guard ------------------------------------------------------------------------------------------------
