@@ -308,6 +308,13 @@ def test_rotary_on_part_of_each_head_keeps_its_share_in_the_small_copy(cls, conf
     # run and the check falls back to the model itself (a 6B forward for GPT-J)
     assert dc.probe_config(config).rotary_dim == share and dc.HEAD_DIM == 8
     verdict = dc.check_class(cls, config, "sdpa_varlen")
+    if not hasattr(importlib.import_module(cls.__module__), "ALL_ATTENTION_FUNCTIONS"):
+        # releases (5.17) whose GPT-J/CodeGen compute an attention of their own (not transformers' interface): odc_hf's
+        # attention is never called and transformers' masks keep the documents apart even with the boundaries
+        # removed, so the check cannot see cross-document attention and the run is refused as unverifiable
+        assert verdict.exact and verdict.control < dc.SENSITIVITY * dc.THRESHOLD, verdict
+        assert dc.LAST_COST["on"] == "a small copy"
+        return
     assert verdict.exact and verdict.control > dc.SENSITIVITY * dc.THRESHOLD, verdict
     assert dc.LAST_COST["on"] == "a small copy"
 
