@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     windows = "_windows" if args.windows else ""
     stem = Path(args.out) / f"family_sweep{windows}_cpu_transformers{transformers.__version__}_{date}_{commit}"
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    stem.parent.joinpath(stem.name + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     counts = {k: sum(r["result"] == k for r in rows.values()) for k in ("exact", "refused", "error")}
     seconds = sorted(r["seconds"] for r in rows.values() if "seconds" in r)
     lines = [f"# Definition check over transformers' causal-LM families ({'windows on' if args.windows else 'default configs'})",
@@ -116,8 +116,8 @@ def main(argv=None) -> None:
         lines.append(f"| {name} | {row['result']} | {row.get('difference', float('nan')):.1e} | "
                      f"{row.get('control', float('nan')):.1e} | {row.get('seconds', float('nan')):.2f} | "
                      f"{(row.get('why') or '').replace('|', '/')[:200]} |")  # fmt: skip
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(stem.with_suffix(".md"))
+    stem.parent.joinpath(stem.name + ".md").write_text("\n".join(lines) + "\n")
+    print(stem.parent / (stem.name + ".md"))
 
 
 if __name__ == "__main__":

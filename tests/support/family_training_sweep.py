@@ -6,9 +6,14 @@ Each family's default config is shrunk by the definition check's own ``probe_con
 the offline tokenizer's vocabulary; ``--no_dropout`` sets every dropout probability of the config to 0 (default
 configs with dropout differ between packed and padded rows by their random masks alone). Per family: the largest
 relative difference of the logged loss, gradient norm and router loss, the largest difference of a final weight
-relative to its tensor's largest element, the attention odc_hf chose, or the error either trainer stopped with.
+relative to its tensor's largest element, the attention odc_hf chose, and the error either trainer stopped with (each
+trainer runs whatever the other did, so a family TRL cannot train still shows whether odc_hf refuses it by name).
 
     python tests/support/family_training_sweep.py SWEEP.json --out DIR [--families a b ...] [--no_dropout]
+    # two processes, then one report:
+    python tests/support/family_training_sweep.py SWEEP.json --out A --shard 0/2 &
+    python tests/support/family_training_sweep.py SWEEP.json --out B --shard 1/2
+    python tests/support/family_training_sweep.py SWEEP.json --out DIR --merge A/family_training_sweep.json B/family_training_sweep.json
 
 ``SWEEP.json``: a report of ``python -m benchmarks.attention.family_sweep`` (its ``exact`` rows are trained).
 Writes ``DIR/family_training_sweep.json`` after every family, and a markdown table at the end. ~45 s a family.
@@ -40,6 +45,8 @@ def _config(name: str, no_dropout: bool):
                 setattr(config, key, token_ids[key])
             except Exception:  # noqa: BLE001 - a field the config types strictly (no None): kept
                 pass
+        if isinstance(getattr(config, "vocab_size_per_layer_input", None), int):  # Gemma 3n / 4: as their releases
+            config.vocab_size_per_layer_input = token_ids["vocab_size"]
         if no_dropout:
             for key, value in list(vars(config).items()):
                 if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
@@ -49,20 +56,90 @@ def _config(name: str, no_dropout: bool):
     return make
 
 
+TOLERANCE = 1e-5
+"""Largest relative difference of the logged loss, gradient norm and router loss counted as float noise (the zoo's)."""
+
+
+def _odc_error(error: Exception) -> bool:
+    """An error odc_hf raised on purpose: a refusal that names what it refuses (not a crash inside the run)."""
+    from odc_hf.integrations.models.definition_check import DefinitionMismatch
+
+    return isinstance(error, DefinitionMismatch) or (isinstance(error, ValueError) and "odc_hf" in str(error))
+
+
 def train(name: str, out: Path, no_dropout: bool) -> dict:
+    """Both trainers on ``name``, each run whatever the other did; the row's ``result``: ``exact`` (within
+    :data:`TOLERANCE`), ``chaotic`` (beyond it, but TRL against itself in microbatches of one is too, and the first
+    step agrees within it), ``differs`` (both trained, beyond it), ``refused`` (odc_hf refused by name), ``trl_fails`` (TRL's
+    own trainer stops; odc_hf's outcome kept), or ``error`` (odc_hf stopped with an error that is not a refusal)."""
     import torch
     import zoo_runs
 
+    from odc_hf.testing.data import default_tokenizer
+
     zoo_runs.FAMILIES[name] = zoo_runs.Family(name, _config(name, no_dropout))
-    trl = zoo_runs.trl_run(name, out / f"{name}_trl")
-    odc = zoo_runs.odc_run([name], str(out / "odc"), 1)[name]
+    row: dict = {}
+    try:
+        trl = zoo_runs.trl_run(name, out / f"{name}_trl")
+    except Exception as error:  # noqa: BLE001 - recorded
+        trl, row["trl_error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
+    try:
+        odc = zoo_runs.odc_run([name], str(out / "odc"), 1)[name]
+    except Exception as error:  # noqa: BLE001 - recorded
+        row["odc_error"] = f"{type(error).__name__}: {str(error)[:400]}"
+        row["result"] = "refused" if _odc_error(error) else ("trl_fails" if trl is None else "error")
+        return row
+    row["attention"] = odc["attention"].get("implementation")
+    if trl is None:
+        row["result"] = "trl_fails"
+        return row
     ours = torch.load(out / "odc" / name / zoo_runs.FINAL_WEIGHTS)
     theirs = torch.load(out / f"{name}_trl" / zoo_runs.FINAL_WEIGHTS)
     weights = math.inf if ours.keys() != theirs.keys() else max(
         float((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max().clamp(min=1e-30)) for k in theirs)  # fmt: skip
-    return {"history": zoo_runs.largest_difference(odc["history"], trl), "weights": weights,
-            "attention": odc["attention"].get("implementation"),
-            "losses": [[h["loss"] for h in odc["history"]], [h["loss"] for h in trl]]}  # fmt: skip
+    history = zoo_runs.largest_difference(odc["history"], trl)
+    row.update(history=history, weights=weights, result="exact" if history <= TOLERANCE else "differs",
+               losses=[[h["loss"] for h in odc["history"]], [h["loss"] for h in trl]])  # fmt: skip
+    if row["result"] == "differs":
+        # the control: TRL against itself on the same documents in microbatches of one (the same sums, another
+        # order). Where that moves the run beyond the tolerance too, the training is chaotic (3 AdamW steps amplify
+        # rounding), and only the first step (before any update) can be compared
+        again = zoo_runs.trl_run(name, out / f"{name}_trl_micro1", per_device_train_batch_size=1,
+                                 gradient_accumulation_steps=zoo_runs.MINIBATCH)  # fmt: skip
+        row.update(trl_spread=zoo_runs.largest_difference(again, trl),
+                   first_step=zoo_runs.largest_difference(odc["history"][:1], trl[:1]))  # fmt: skip
+        if row["trl_spread"] > TOLERANCE and row["first_step"] <= TOLERANCE:
+            row["result"] = "chaotic"
+        row["known"] = _known_causes(zoo_runs.build(name, default_tokenizer()))
+    return row
+
+
+def _known_causes(model) -> str:
+    """Causes of a difference to TRL that are not odc_hf training another model: dropout's random masks, and TRL's
+    loss normaliser on classes transformers' Trainer does not count as causal LMs (tests/models/test_loss_normaliser.py)."""
+    causes = [f"dropout ({k}={v})" for k, v in vars(model.config).items()
+              if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0]  # fmt: skip
+    if getattr(model, "loss_type", "") is None:
+        causes.append("TRL's loss normaliser counts each document's first label (loss_type None)")
+    return "; ".join(causes)
+
+
+def render(results: dict, meta: dict, path: Path) -> None:
+    """The markdown report of ``results`` (family -> row of :func:`train`)."""
+    counts = {k: sum(r.get("result") == k for r in results.values())
+              for k in ("exact", "chaotic", "differs", "refused", "trl_fails", "error")}  # fmt: skip
+    lines = ["# ODCSFTTrainer vs TRL's SFTTrainer on the families the definition check calls exact (CPU, fp32)", "",
+             f"{meta}", "", ", ".join(f"{k} {v}" for k, v in counts.items()) + f" (exact: <= {TOLERANCE:.0e})", "",
+             "| family | result | loss / grad norm / aux | final weights | first step | TRL vs TRL | attention | why |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name in sorted(results):
+        row = results[name]
+        why = " / ".join(row[k] for k in ("known", "odc_error", "trl_error") if row.get(k))
+        lines.append(f"| {name} | {row.get('result', 'error')} | {row.get('history', math.nan):.1e} | "
+                     f"{row.get('weights', math.nan):.1e} | {row.get('first_step', math.nan):.1e} | "
+                     f"{row.get('trl_spread', math.nan):.1e} | {row.get('attention') or ''} | "
+                     f"{why.replace('|', '/').replace(chr(10), ' ')[:200]} |")  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> None:
@@ -70,31 +147,44 @@ def main(argv=None) -> None:
     parser.add_argument("sweep", type=Path, help="a family_sweep JSON report")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--families", nargs="*", help="these families only (default: every exact row)")
+    parser.add_argument("--shard", default="0/1", help="I/N: every N-th family from the I-th (parallel processes)")
+    parser.add_argument("--merge", nargs="*", type=Path, help="no training: these shards' JSON reports into one")
     parser.add_argument("--no_dropout", action="store_true", help="every dropout probability of the configs at 0")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    import torch
+    import subprocess
 
+    import torch
+    import transformers
+    import trl
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
+            "transformers": transformers.__version__, "trl": trl.__version__,
+            "dropout": "0 (--no_dropout)" if args.no_dropout else "as in each default config",
+            "sweep": args.sweep.name}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        results = {k: v for path in args.merge for k, v in json.loads(path.read_text()).items()}
+        (args.out / "family_training_sweep.json").write_text(json.dumps(results, indent=1))
+        render(results, meta, args.out / "family_training_sweep.md")
+        return
     torch.set_num_threads(1)
     rows = json.loads(args.sweep.read_text())["rows"]
-    names = args.families or [name for name, row in rows.items() if row["result"] == "exact"]
-    args.out.mkdir(parents=True, exist_ok=True)
+    index, shards = (int(x) for x in args.shard.split("/"))
+    names = (args.families or [name for name, row in rows.items() if row["result"] == "exact"])[index::shards]
     results = {}
     for name in names:
         start = time.perf_counter()
         try:
             results[name] = train(name, args.out, args.no_dropout)
         except Exception as error:  # noqa: BLE001 - recorded per family
-            results[name] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
+            results[name] = {"result": "error", "odc_error": f"{type(error).__name__}: {str(error)[:400]}"}
         results[name]["seconds"] = time.perf_counter() - start
         print(name, results[name], flush=True)
         (args.out / "family_training_sweep.json").write_text(json.dumps(results, indent=1))
-    lines = ["| family | loss / grad norm / aux | final weights | attention | error |", "|---|---|---|---|---|"]
-    for name, row in results.items():
-        lines.append(f"| {name} | {row.get('history', math.nan):.1e} | {row.get('weights', math.nan):.1e} | "
-                     f"{row.get('attention') or ''} | {(row.get('error') or '').replace('|', '/')[:160]} |")  # fmt: skip
-    (args.out / "family_training_sweep.md").write_text("\n".join(lines) + "\n")
+    render(results, meta, args.out / "family_training_sweep.md")
 
 
 if __name__ == "__main__":
