@@ -204,6 +204,33 @@ def test_an_attention_that_drops_the_soft_cap_is_refused_naming_the_soft_cap(mon
     assert blind.exact and blind.difference < dc.THRESHOLD / 10, blind
 
 
+def _attention_without_softcap_or_window(module, query, key, value, attention_mask, **kwargs):
+    kwargs.pop("softcap", None), kwargs.pop("sliding_window", None)  # the faults: both handed over, neither applied
+    # each document causal on its own (from the boundaries, as a varlen attention keeps them), with no window
+    bounds = kwargs.get("cu_seq_lens_q")
+    document = torch.zeros(query.shape[2], dtype=torch.long)
+    if bounds is not None:
+        document = torch.bucketize(torch.arange(query.shape[2]), bounds[1:].long(), right=True)
+    allowed = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool).tril() & (document[:, None] == document[None])
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
+    return gemma2_modeling.eager_attention_forward(module, query, key, value, mask, **kwargs)
+
+
+DROPS_BOTH = "odc_hf_test_drops_softcap_and_window"
+t.AttentionInterface.register(DROPS_BOTH, _attention_without_softcap_or_window)
+AttentionMaskInterface.register(DROPS_BOTH, eager_mask)
+
+
+def test_an_attention_that_drops_the_soft_cap_and_the_window_is_refused_naming_both():
+    with pytest.raises(dc.DefinitionMismatch, match=r"soft-capping \(attn_logit_softcapping\) and its sliding window "
+                                                    r"are both applied by only one of") as refused:  # fmt: skip
+        dc.verify_definition(gemma2(), DROPS_BOTH, sdpa=False)
+    assert "gemma2" in str(refused.value)
+    # the single faults keep their own words (each removal alone passes there)
+    with pytest.raises(dc.DefinitionMismatch, match="soft-capping .* is applied by only one of .*the same check without"):
+        dc.verify_definition(gemma2(), DROPS_SOFTCAP, sdpa=False)
+
+
 def _attention_without_sinks(module, query, key, value, attention_mask, **kwargs):
     kwargs.pop("s_aux", None)  # the fault: the family's sinks are handed over and applied nowhere
     sinks = module.sinks

@@ -181,13 +181,15 @@ def _without_softcaps(config):
     return config
 
 
+UNBOUND_WINDOW = 4096
+"""A window wider than the probe's row: what "the windows taken away" sets (layer types kept: families such as Gemma 2
+build their sliding masks whatever the layer types say, and fail on a window of None)."""
+
+
 def _without_windows(config):
     config = copy.deepcopy(config)
-    for name in [n for n, v in vars(config).items() if "window" in n and _int(v)]:
-        setattr(config, name, None)
-    types = _get(config, "layer_types")
-    if isinstance(types, list):
-        config.layer_types = ["full_attention" if kind == "sliding_attention" else kind for kind in types]
+    for name in [n for n, v in vars(config).items() if "window" in n and _int(v) and v > 0]:
+        setattr(config, name, UNBOUND_WINDOW)
     return config
 
 
@@ -285,6 +287,9 @@ SOFTCAP_NOT_APPLIED = ("the model's attention soft-capping ({names}) is applied 
                        "passes")  # fmt: skip
 WINDOW_NOT_APPLIED = ("the model's sliding window is not applied inside each document (it lives in the model's mask, "
                       "and the attention layer is not handed it)")  # fmt: skip
+BOTH_NOT_APPLIED = ("the model's attention soft-capping ({names}) and its sliding window are both applied by only one "
+                    "of {trained!r} and the model's own {reference!r}: the same check passes with both taken away, "
+                    "and with neither alone")  # fmt: skip
 OUTPUTS_DIFFER = "the packed row's outputs differ from each document's alone"
 WINDOW_UNCONFIRMED = (OUTPUTS_DIFFER + "; the model has sliding windows, likely not applied inside each document "
                       "(checked on the model itself, which cannot be checked again without them)")  # fmt: skip
@@ -425,7 +430,7 @@ def check_class(cls, config, implementation: str, *, sdpa: bool = True, instance
 
 def _what_differed(cls, probe_cfg, trained: str, reference: str, varlen: str) -> str:
     """What differed on the small copy, found by taking each argument away (same weights and row) and checking again:
-    the soft-cap, else the window; an argument whose removal makes the check pass is the one not applied."""
+    the soft-cap, else the window, else both; the argument(s) whose removal makes the check pass were not applied."""
     candidates, names = [], []
     if _softcaps(probe_cfg):
         names.append("soft-caps")
@@ -434,6 +439,9 @@ def _what_differed(cls, probe_cfg, trained: str, reference: str, varlen: str) ->
     if _windows(probe_cfg):
         names.append("windows")
         candidates.append((_without_windows, WINDOW_NOT_APPLIED))
+    if len(candidates) == 2:  # both dropped: neither removal alone passes, both together do
+        what = BOTH_NOT_APPLIED.format(names=", ".join(_softcaps(probe_cfg)), trained=trained, reference=reference)
+        candidates.append((lambda config: _without_windows(_without_softcaps(config)), what))
     for remove, what in candidates:
         try:
             torch.manual_seed(0)
