@@ -8,8 +8,9 @@ configs with dropout differ between packed and padded rows by their random masks
 relative difference of the logged loss, gradient norm and router loss, the largest difference of a final weight
 relative to its tensor's largest element, the attention odc_hf chose, and the error either trainer stopped with (each
 trainer runs whatever the other did, so a family TRL cannot train still shows whether odc_hf refuses it by name).
+``--grpo``: ODCGRPOTrainer's packed layout against TRL's GRPOTrainer on fixed rollouts instead (:func:`train_grpo`).
 
-    python tests/support/family_training_sweep.py SWEEP.json --out DIR [--families a b ...] [--no_dropout]
+    python tests/support/family_training_sweep.py SWEEP.json --out DIR [--families a b ...] [--no_dropout] [--grpo]
     # two processes, then one report:
     python tests/support/family_training_sweep.py SWEEP.json --out A --shard 0/2 &
     python tests/support/family_training_sweep.py SWEEP.json --out B --shard 1/2
@@ -114,6 +115,40 @@ def train(name: str, out: Path, no_dropout: bool) -> dict:
     return row
 
 
+def train_grpo(name: str, out: Path, no_dropout: bool) -> dict:
+    """:func:`train` for GRPO: ODCGRPOTrainer's packed layout against TRL's GRPOTrainer on the same fixed rollouts
+    (tests/support/zoo_runs.py's ``grpo_run``: 2 steps, 8 rows each, a reward that varies), comparing the logged loss,
+    gradient norm, router loss and entropy."""
+    import zoo_runs
+
+    from odc_hf.testing.data import default_tokenizer
+
+    zoo_runs.FAMILIES[name] = zoo_runs.Family(name, _config(name, no_dropout))
+    row: dict = {}
+    try:
+        trl = zoo_runs.grpo_run(name, out / f"{name}_grpo_trl", "trl")
+    except Exception as error:  # noqa: BLE001 - recorded
+        trl, row["trl_error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
+    try:
+        odc = zoo_runs.grpo_run(name, out / f"{name}_grpo_odc", "odc")
+    except Exception as error:  # noqa: BLE001 - recorded
+        row["odc_error"] = f"{type(error).__name__}: {str(error)[:400]}"
+        row["result"] = "refused" if _odc_error(error) else ("trl_fails" if trl is None else "error")
+        return row
+    row.update(attention=odc["attention"].get("implementation"), packed=odc["packed"])
+    if trl is None:
+        row["result"] = "trl_fails"
+        return row
+    keys = ("loss", "grad_norm", "aux_loss", "entropy")
+    history = zoo_runs.largest_difference(odc["history"], trl["history"], keys)
+    row.update(history=history, first_step=zoo_runs.largest_difference(odc["history"][:1], trl["history"][:1], keys),
+               result="exact" if history <= TOLERANCE else "differs",
+               losses=[[h["loss"] for h in odc["history"]], [h["loss"] for h in trl["history"]]])  # fmt: skip
+    if row["result"] == "differs":
+        row["known"] = _known_causes(zoo_runs.build(name, default_tokenizer()))
+    return row
+
+
 def _known_causes(model) -> str:
     """Causes of a difference to TRL that are not odc_hf training another model: dropout's random masks, and TRL's
     loss normaliser on classes transformers' Trainer does not count as causal LMs (tests/models/test_loss_normaliser.py)."""
@@ -125,10 +160,10 @@ def _known_causes(model) -> str:
 
 
 def render(results: dict, meta: dict, path: Path) -> None:
-    """The markdown report of ``results`` (family -> row of :func:`train`)."""
+    """The markdown report of ``results`` (family -> row of :func:`train` or :func:`train_grpo`)."""
     counts = {k: sum(r.get("result") == k for r in results.values())
               for k in ("exact", "chaotic", "differs", "refused", "trl_fails", "error")}  # fmt: skip
-    lines = ["# ODCSFTTrainer vs TRL's SFTTrainer on the families the definition check calls exact (CPU, fp32)", "",
+    lines = [f"# {meta['trainers']} on the families the definition check calls exact (CPU, fp32)", "",
              f"{meta}", "", ", ".join(f"{k} {v}" for k, v in counts.items()) + f" (exact: <= {TOLERANCE:.0e})", "",
              "| family | result | loss / grad norm / aux | final weights | first step | TRL vs TRL | attention | why |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -150,6 +185,7 @@ def main(argv=None) -> None:
     parser.add_argument("--shard", default="0/1", help="I/N: every N-th family from the I-th (parallel processes)")
     parser.add_argument("--merge", nargs="*", type=Path, help="no training: these shards' JSON reports into one")
     parser.add_argument("--no_dropout", action="store_true", help="every dropout probability of the configs at 0")
+    parser.add_argument("--grpo", action="store_true", help="ODCGRPOTrainer vs TRL's GRPOTrainer instead of SFT")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -163,6 +199,7 @@ def main(argv=None) -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__,
             "dropout": "0 (--no_dropout)" if args.no_dropout else "as in each default config",
+            "trainers": "ODCGRPOTrainer vs GRPOTrainer" if args.grpo else "ODCSFTTrainer vs SFTTrainer",
             "sweep": args.sweep.name}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
@@ -178,7 +215,7 @@ def main(argv=None) -> None:
     for name in names:
         start = time.perf_counter()
         try:
-            results[name] = train(name, args.out, args.no_dropout)
+            results[name] = (train_grpo if args.grpo else train)(name, args.out, args.no_dropout)
         except Exception as error:  # noqa: BLE001 - recorded per family
             results[name] = {"result": "error", "odc_error": f"{type(error).__name__}: {str(error)[:400]}"}
         results[name]["seconds"] = time.perf_counter() - start
