@@ -191,7 +191,7 @@ def _left_padding_effect(model) -> float:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         rows = [torch.randint(3, model.config.vocab_size, (n,)) for n in (50, 35, 20)]
-    model.train()
+    model.eval()  # no dropout: padding alone
     alone = gradient([(r[None], torch.ones(1, len(r), dtype=torch.long)) for r in rows])
     width, pad = max(len(r) for r in rows), model.config.pad_token_id or 0
     ids = torch.stack([torch.cat([torch.full((width - len(r),), pad), r]) for r in rows])
