@@ -68,6 +68,22 @@ def _odc_error(error: Exception) -> bool:
     return isinstance(error, DefinitionMismatch) or (isinstance(error, ValueError) and "odc_hf" in str(error))
 
 
+def _run_both(run_trl, run_odc) -> tuple:
+    """(TRL's result or None, odc_hf's or None, the row so far): both runs, each whatever the other did; when odc_hf's
+    stops, the row's ``result`` says how (:func:`train`)."""
+    row: dict = {}
+    try:
+        trl = run_trl()
+    except Exception as error:  # noqa: BLE001 - recorded
+        trl, row["trl_error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
+    try:
+        return trl, run_odc(), row
+    except Exception as error:  # noqa: BLE001 - recorded
+        row["odc_error"] = f"{type(error).__name__}: {str(error)[:400]}"
+        row["result"] = "refused" if _odc_error(error) else ("trl_fails" if trl is None else "error")
+        return trl, None, row
+
+
 def train(name: str, out: Path, no_dropout: bool) -> dict:
     """Both trainers on ``name``, each run whatever the other did; the row's ``result``: ``exact`` (within
     :data:`TOLERANCE`), ``chaotic`` (beyond it, but TRL against itself in microbatches of one is too, and the first
@@ -79,16 +95,9 @@ def train(name: str, out: Path, no_dropout: bool) -> dict:
     from odc_hf.testing.data import default_tokenizer
 
     zoo_runs.FAMILIES[name] = zoo_runs.Family(name, _config(name, no_dropout))
-    row: dict = {}
-    try:
-        trl = zoo_runs.trl_run(name, out / f"{name}_trl")
-    except Exception as error:  # noqa: BLE001 - recorded
-        trl, row["trl_error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
-    try:
-        odc = zoo_runs.odc_run([name], str(out / "odc"), 1)[name]
-    except Exception as error:  # noqa: BLE001 - recorded
-        row["odc_error"] = f"{type(error).__name__}: {str(error)[:400]}"
-        row["result"] = "refused" if _odc_error(error) else ("trl_fails" if trl is None else "error")
+    trl, odc, row = _run_both(lambda: zoo_runs.trl_run(name, out / f"{name}_trl"),
+                              lambda: zoo_runs.odc_run([name], str(out / "odc"), 1)[name])  # fmt: skip
+    if odc is None:
         return row
     row["attention"] = odc["attention"].get("implementation")
     if trl is None:
@@ -127,16 +136,9 @@ def train_grpo(name: str, out: Path, no_dropout: bool) -> dict:
     from odc_hf.testing.data import default_tokenizer
 
     zoo_runs.FAMILIES[name] = zoo_runs.Family(name, _config(name, no_dropout))
-    row: dict = {}
-    try:
-        trl = zoo_runs.grpo_run(name, out / f"{name}_grpo_trl", "trl")
-    except Exception as error:  # noqa: BLE001 - recorded
-        trl, row["trl_error"] = None, f"{type(error).__name__}: {str(error)[:300]}"
-    try:
-        odc = zoo_runs.grpo_run(name, out / f"{name}_grpo_odc", "odc")
-    except Exception as error:  # noqa: BLE001 - recorded
-        row["odc_error"] = f"{type(error).__name__}: {str(error)[:400]}"
-        row["result"] = "refused" if _odc_error(error) else ("trl_fails" if trl is None else "error")
+    trl, odc, row = _run_both(lambda: zoo_runs.grpo_run(name, out / f"{name}_grpo_trl", "trl"),
+                              lambda: zoo_runs.grpo_run(name, out / f"{name}_grpo_odc", "odc"))  # fmt: skip
+    if odc is None:
         return row
     row.update(attention=odc["attention"].get("implementation"), packed=odc["packed"])
     if trl is not None and not _finite(trl["history"]):
