@@ -153,7 +153,7 @@ def train_grpo(name: str, out: Path, no_dropout: bool) -> dict:
                losses=[[h["loss"] for h in odc["history"]], [h["loss"] for h in trl["history"]]])  # fmt: skip
     if row["result"] == "differs":
         model = zoo_runs.build(name, default_tokenizer())
-        causes = [_known_causes(model)] if _known_causes(model) else []
+        causes = [cause for cause in (_known_causes(model),) if cause]
         row["left_padding"] = _left_padding_effect(model)
         if row["left_padding"] > TOLERANCE:  # TRL's rows put the prompt's padding on the left
             causes.append(f"TRL's left-padded rows change this model's gradient by {row['left_padding']:.1e} "
