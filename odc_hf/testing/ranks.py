@@ -4,12 +4,14 @@
 process group (gloo on CPU; with ``cuda=True`` rank r computes on ``cuda:<r % GPUs>``, over nccl when every rank has
 a GPU of its own and over gloo when ranks share one: :func:`cuda_backend`) through a rendezvous store the parent
 holds on a port the OS picked (port 0: no free-port race), calls ``fn(rank, world_size, *args)`` and returns the
-per-rank results; :func:`rank_device` tells ``fn`` its device. A rank that raises or dies is reported with its traceback or exit code; the
-parent never waits longer than ``timeout_s``.
+per-rank results; :func:`rank_device` tells ``fn`` its device. A rank that raises is reported with its traceback; one that
+crashes in native code (a segfault) or that the harness kills with its exit code and faulthandler's Python stack of
+where it was. The parent never waits longer than ``timeout_s``, and once a rank has failed the others get
+``FAILURE_GRACE_S`` to finish or report their own error.
 
 On Linux the ranks are forked from a multiprocessing fork server that imported torch, transformers, accelerate and
 TRL once (``PRELOAD``): a rank starts in well under a second instead of re-importing them (~10 s of CPU per rank),
-which is most of a small distributed test's time. The server never runs torch code (no threads, no CUDA), and each
+which is most of a small distributed test's time. The server never runs torch code (no CUDA, no torch threads), and each
 rank gets the caller's environment of the moment plus ``env``, as a spawned process would. ``start_method="spawn"``
 (the default elsewhere) starts each rank from scratch. :func:`run_process` runs a function the same way in one plain
 process: no process group, no rank variables.
@@ -22,8 +24,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -61,6 +66,9 @@ def free_port() -> int:
 
 
 _RENDEZVOUS_TIMEOUT = timedelta(seconds=120)
+FAILURE_GRACE_S = 60.0
+"""With ``raise_on_failure``: once a rank has failed, how long the others get to finish or report their own error
+(e.g. a peer-failure message) before the harness kills them; the run has failed either way."""
 
 # Imported once by the fork server (modules that are not installed are skipped); nothing of odc_hf's own state.
 PRELOAD = ["torch", "torch.distributed", "transformers", "accelerate", "datasets", "trl", "peft"]
@@ -106,7 +114,7 @@ def rank_device():
 _RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _entry(rank, world_size, port, backend, fn, args, queue, env, init_group=True):
+def _entry(rank, world_size, port, backend, fn, args, queue, env, init_group=True, crash_path=None):
     os.environ.clear()  # the caller's environment now, not the fork server's from when it started
     os.environ.update(env)
     if backend is None:  # a plain process: none of a launcher's rank variables, whatever the caller's environment
@@ -124,7 +132,11 @@ def _entry(rank, world_size, port, backend, fn, args, queue, env, init_group=Tru
     import torch
     import torch.distributed as dist
 
-    faulthandler.enable()  # a rank that crashes (SIGSEGV in a native library) prints where, on stderr
+    # A rank that crashes (SIGSEGV in a native library) writes where to its crash file, which the parent puts in the
+    # rank's error: on stderr it would be lost in a test runner's captured output.
+    crash_file = open(crash_path, "w") if crash_path else sys.stderr  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(file=crash_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=crash_file, all_threads=True)  # the harness asks before killing
     if "OMP_NUM_THREADS" in env:  # read by OpenMP when torch was imported, which may have been in the fork server
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
@@ -196,9 +208,12 @@ def run_ranks(
     store = _rendezvous_store(world_size) if backend is not None else None
     port = store.port if store is not None else 0
     child_env = {**os.environ, **SAFE_GPU_ENV, "OMP_NUM_THREADS": "1", **(env or {})}
+    crash_dir = tempfile.mkdtemp(prefix="run_ranks-")
+    crash_paths = [os.path.join(crash_dir, f"rank{r}.txt") for r in range(world_size)]
     procs = [
         ctx.Process(
-            target=_entry, args=(r, world_size, port, backend, fn, args, queue, child_env, init_process_group),
+            target=_entry,
+            args=(r, world_size, port, backend, fn, args, queue, child_env, init_process_group, crash_paths[r]),
             daemon=True,
         )
         for r in range(world_size)
@@ -208,12 +223,20 @@ def run_ranks(
     outcomes = {r: RankOutcome(r) for r in range(world_size)}
     reported: set[int] = set()
     deadline = time.monotonic() + timeout_s
+    failed_at = None  # when the first rank failed: the others then get FAILURE_GRACE_S to report, not the deadline
     while len(reported) < world_size and time.monotonic() < deadline:
+        if failed_at is None and raise_on_failure and any(outcomes[r].error for r in reported):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() > failed_at + FAILURE_GRACE_S:
+            deadline = time.monotonic()  # the run has failed; the ranks still waiting (on the failed one) are killed
+            break
         try:
             rank, value, error = queue.get(timeout=0.2)
             outcomes[rank].value, outcomes[rank].error = _loads(value), error
             reported.add(rank)
         except queue_mod.Empty:
+            if raise_on_failure and failed_at is None and any(p.exitcode not in (None, 0) and r not in reported for r, p in enumerate(procs)):
+                failed_at = time.monotonic()  # a rank died without reporting (a crash)
             if all(not p.is_alive() for p in procs):
                 # Drain what the dead processes managed to send.
                 while True:
@@ -227,13 +250,20 @@ def run_ranks(
     for r, p in enumerate(procs):
         p.join(timeout=max(0.0, deadline - time.monotonic()) if r in reported else 1.0)
         if p.is_alive():
+            _dump_stacks(p)
             p.kill()
             p.join()
             if r not in reported:
-                outcomes[r].error = f"killed by the harness after {timeout_s:g} s"
+                why = f"after {timeout_s:g} s" if failed_at is None else f"{FAILURE_GRACE_S:g} s after another rank failed"
+                outcomes[r].error = f"killed by the harness {why}" + _crash_report(
+                    crash_paths[r], "where it was waiting"
+                )
         outcomes[r].exitcode = p.exitcode
         if r not in reported and outcomes[r].error is None:
-            outcomes[r].error = f"process died with exit code {p.exitcode} before reporting"
+            outcomes[r].error = f"process died with exit code {p.exitcode} before reporting" + _crash_report(
+                crash_paths[r]
+            )
+    shutil.rmtree(crash_dir, ignore_errors=True)
     del store  # after every rank has exited or been killed: nobody needs the rendezvous any more
     result = [outcomes[r] for r in range(world_size)]
     if not raise_on_failure:
@@ -241,6 +271,25 @@ def run_ranks(
     if not all(o.ok for o in result):
         raise RanksFailed(result)
     return [o.value for o in result]
+
+
+def _dump_stacks(process) -> None:
+    """Ask a rank about to be killed for its Python stacks (faulthandler, into its crash file)."""
+    try:
+        os.kill(process.pid, signal.SIGUSR1)
+    except OSError:
+        return
+    process.join(timeout=2.0)
+
+
+def _crash_report(path: str, what: str = "where it crashed") -> str:
+    """What faulthandler wrote to the rank's crash file (its Python stacks), or nothing."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return f"; {what} (faulthandler):\n{text}" if text else ""
 
 
 def run_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 300.0, env: dict[str, str] | None = None,

@@ -84,3 +84,35 @@ def test_run_process_is_a_plain_process_and_reports_its_error(tmp_path, monkeypa
     run_plain(script, "good")  # exit 0 is a normal end
     with pytest.raises(RanksFailed, match="SystemExit: 3"):
         run_plain(script, "bad")
+
+
+def _crashes_natively(rank, world_size):
+    import ctypes
+
+    if rank == 1:
+        ctypes.string_at(0)  # SIGSEGV: no Python exception, no traceback sent to the parent
+    return rank
+
+
+def _waits_forever_in_a_named_function(rank, world_size):
+    import time
+
+    if rank == 1:
+        while True:
+            time.sleep(0.05)
+    return rank
+
+
+def test_a_rank_that_dies_in_native_code_or_hangs_is_reported_with_its_python_stack():
+    """A rank that segfaults (or that the harness kills at its deadline) says where it was: faulthandler's stack,
+    written to a file the parent reads, not to a stderr the test runner may have swallowed."""
+    from odc_hf.testing import run_ranks
+
+    crashed = run_ranks(_crashes_natively, 2, raise_on_failure=False, timeout_s=60)
+    assert crashed[0].ok and crashed[0].value == 0
+    assert crashed[1].exitcode == -11, crashed[1]
+    assert "died with exit code -11" in crashed[1].error and "where it crashed" in crashed[1].error
+    assert "_crashes_natively" in crashed[1].error, crashed[1].error  # the Python frame that crashed
+    hung = run_ranks(_waits_forever_in_a_named_function, 2, raise_on_failure=False, timeout_s=5)
+    assert hung[0].ok and "killed by the harness after 5 s; where it was waiting" in hung[1].error, hung[1].error
+    assert "_waits_forever_in_a_named_function" in hung[1].error
