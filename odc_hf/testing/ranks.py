@@ -136,7 +136,8 @@ def _entry(rank, world_size, port, backend, fn, args, queue, env, init_group=Tru
     # rank's error: on stderr it would be lost in a test runner's captured output.
     crash_file = open(crash_path, "w") if crash_path else sys.stderr  # noqa: SIM115 - open until the process ends
     faulthandler.enable(file=crash_file, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=crash_file, all_threads=True)  # the harness asks before killing
+    if hasattr(signal, "SIGUSR1"):  # POSIX: the harness asks for the stacks before killing
+        faulthandler.register(signal.SIGUSR1, file=crash_file, all_threads=True)
     if "OMP_NUM_THREADS" in env:  # read by OpenMP when torch was imported, which may have been in the fork server
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
@@ -277,7 +278,7 @@ def _dump_stacks(process) -> None:
     """Ask a rank about to be killed for its Python stacks (faulthandler, into its crash file)."""
     try:
         os.kill(process.pid, signal.SIGUSR1)
-    except OSError:
+    except (OSError, AttributeError):  # gone already, or no SIGUSR1 (Windows)
         return
     process.join(timeout=2.0)
 
