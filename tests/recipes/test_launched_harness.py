@@ -113,6 +113,6 @@ def test_a_rank_that_dies_in_native_code_or_hangs_is_reported_with_its_python_st
     assert crashed[1].exitcode == -11, crashed[1]
     assert "died with exit code -11" in crashed[1].error and "where it crashed" in crashed[1].error
     assert "_crashes_natively" in crashed[1].error, crashed[1].error  # the Python frame that crashed
-    hung = run_ranks(_waits_forever_in_a_named_function, 2, raise_on_failure=False, timeout_s=5)
-    assert hung[0].ok and "killed by the harness after 5 s; where it was waiting" in hung[1].error, hung[1].error
+    hung = run_ranks(_waits_forever_in_a_named_function, 2, raise_on_failure=False, timeout_s=20)  # ample to start
+    assert hung[0].ok and "killed by the harness after 20 s; where it was waiting" in hung[1].error, hung[1].error
     assert "_waits_forever_in_a_named_function" in hung[1].error
