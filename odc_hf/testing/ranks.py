@@ -226,7 +226,10 @@ def run_ranks(
     deadline = time.monotonic() + timeout_s
     failed_at = None  # when the first rank failed: the others then get FAILURE_GRACE_S to report, not the deadline
     while len(reported) < world_size and time.monotonic() < deadline:
-        if failed_at is None and raise_on_failure and any(outcomes[r].error for r in reported):
+        if raise_on_failure and failed_at is None and (
+            any(outcomes[r].error for r in reported)  # a rank raised
+            or any(p.exitcode not in (None, 0) and r not in reported for r, p in enumerate(procs))  # or crashed
+        ):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() > failed_at + FAILURE_GRACE_S:
             deadline = time.monotonic()  # the run has failed; the ranks still waiting (on the failed one) are killed
@@ -236,8 +239,6 @@ def run_ranks(
             outcomes[rank].value, outcomes[rank].error = _loads(value), error
             reported.add(rank)
         except queue_mod.Empty:
-            if raise_on_failure and failed_at is None and any(p.exitcode not in (None, 0) and r not in reported for r, p in enumerate(procs)):
-                failed_at = time.monotonic()  # a rank died without reporting (a crash)
             if all(not p.is_alive() for p in procs):
                 # Drain what the dead processes managed to send.
                 while True:
