@@ -114,7 +114,7 @@ def rank_device():
 _RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _entry(rank, world_size, port, backend, fn, args, queue, env, init_group=True, crash_path=None):
+def _entry(rank, world_size, port, backend, fn, args, queue, env, init_group, crash_path):
     os.environ.clear()  # the caller's environment now, not the fork server's from when it started
     os.environ.update(env)
     if backend is None:  # a plain process: none of a launcher's rank variables, whatever the caller's environment
@@ -134,7 +134,7 @@ def _entry(rank, world_size, port, backend, fn, args, queue, env, init_group=Tru
 
     # A rank that crashes (SIGSEGV in a native library) writes where to its crash file, which the parent puts in the
     # rank's error: on stderr it would be lost in a test runner's captured output.
-    crash_file = open(crash_path, "w") if crash_path else sys.stderr  # noqa: SIM115 - open until the process ends
+    crash_file = open(crash_path, "w")  # noqa: SIM115 - open until the process ends
     faulthandler.enable(file=crash_file, all_threads=True)
     if hasattr(signal, "SIGUSR1"):  # POSIX: the harness asks for the stacks before killing
         faulthandler.register(signal.SIGUSR1, file=crash_file, all_threads=True)
