@@ -19,6 +19,7 @@ process: no process group, no rank variables.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -223,6 +224,13 @@ def run_ranks(
         p.start()
     outcomes = {r: RankOutcome(r) for r in range(world_size)}
     reported: set[int] = set()
+
+    def take(wait_s: float) -> None:
+        """Record one rank's report from the queue; ``queue.Empty`` when none arrives within ``wait_s``."""
+        rank, value, error = queue.get(timeout=wait_s)
+        outcomes[rank].value, outcomes[rank].error = _loads(value), error
+        reported.add(rank)
+
     deadline = time.monotonic() + timeout_s
     failed_at = None  # when the first rank failed: the others then get FAILURE_GRACE_S to report, not the deadline
     while len(reported) < world_size and time.monotonic() < deadline:
@@ -235,19 +243,12 @@ def run_ranks(
             deadline = time.monotonic()  # the run has failed; the ranks still waiting (on the failed one) are killed
             break
         try:
-            rank, value, error = queue.get(timeout=0.2)
-            outcomes[rank].value, outcomes[rank].error = _loads(value), error
-            reported.add(rank)
+            take(0.2)
         except queue_mod.Empty:
             if all(not p.is_alive() for p in procs):
-                # Drain what the dead processes managed to send.
-                while True:
-                    try:
-                        rank, value, error = queue.get(timeout=0.5)
-                    except queue_mod.Empty:
-                        break
-                    outcomes[rank].value, outcomes[rank].error = _loads(value), error
-                    reported.add(rank)
+                with contextlib.suppress(queue_mod.Empty):  # drain what the dead processes managed to send
+                    while True:
+                        take(0.5)
                 break
     for r, p in enumerate(procs):
         p.join(timeout=max(0.0, deadline - time.monotonic()) if r in reported else 1.0)
