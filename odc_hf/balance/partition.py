@@ -32,7 +32,8 @@ __all__ = [
 # A refinement step must lower the pair's maximum by more than this fraction of the largest cost,
 # so floating-point noise cannot make it loop.
 _RELATIVE_TOLERANCE = 1e-12
-# Swaps are searched with this many of the lightest parts (bounds a round's work to O((n/k)^2)).
+# Swaps are searched with the _SWAP_PARTNERS + 1 lightest parts, the heaviest left out when it is among
+# them (bounds a round's work to O((n/k)^2)).
 _SWAP_PARTNERS = 8
 
 
@@ -149,9 +150,11 @@ def refine(
     """Improve a partition by moves/swaps that lower the heaviest part; returns item indices per part.
 
     Each round takes the heaviest part h (lowest index among ties) and, over all moves of one of its
-    items into the lightest part and all swaps of one of its items with an item of one of the 8
-    lightest parts p, picks the change minimising max(new sum of h, new sum of p); it is applied only
-    if that is strictly below sum(h). The sorted vector of part sums then decreases lexicographically,
+    items into the lightest part (lowest index among ties) and all swaps of one of its items with an
+    item of one of the 9 lightest other parts p (by sum, then index), picks the change minimising
+    max(new sum of h, new sum of p): the first in item order among equals, a swap only if strictly
+    better than the best move. It is applied only if that lowers sum(h) by more than 1e-12 of the
+    largest cost. The sorted vector of part sums then decreases lexicographically,
     so the loop ends. It also stops once the heaviest part is within ``tolerance`` (relative) of the
     trivial bound max(total / parts, largest item), and after ``max_rounds`` (default 4·(items + parts)).
     """
