@@ -291,36 +291,39 @@ def test_the_familys_eager_function_gets_every_argument_by_transformers_names(mo
     """The tested families read their sinks from the module and their window from the mask; a family whose eager
     function reads ``s_aux``, ``sliding_window`` or ``softcap`` from its arguments (transformers' names for them) gets
     what the call gave, on every path: per-document blocks, padded rows, a cached decode step; and ``eager_varlen``'s
-    family_eager sends a call with only a window there too."""
+    family_eager sends a call with only a window there too. The masks odc_hf builds for it are on the query's device
+    (tensors on ``meta`` here stand for a GPU: a mask made on the CPU would not match them)."""
     import sys
     import types
 
     calls = []
 
     def eager_attention_forward(module, query, key, value, attention_mask, **kwargs):
+        assert attention_mask.device == query.device
         calls.append(kwargs)
-        return torch.zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+        return query.transpose(1, 2), None
 
     family = types.ModuleType("odc_hf_test_family_modeling")
     family.eager_attention_forward = eager_attention_forward
     monkeypatch.setitem(sys.modules, family.__name__, family)
     layer = type("FamilyAttention", (torch.nn.Module,), {"__module__": family.__name__})()
-    sinks = torch.zeros(4)
-    q = k = v = torch.zeros(1, 4, 40, 8)  # one document of 40 tokens, a window of 12: several query blocks
-    padded = torch.ones(1, 1, 40, 40, dtype=torch.bool)
-    paths = {
-        "per-document blocks": lambda variant, rest: variants.document_attention(layer, q, k, v, variant, rest),
-        "padded rows": lambda variant, rest: variants.masked_attention(layer, q, k, v, padded, variant, rest),
-        "decode step": lambda variant, rest: variants.masked_attention(layer, q[:, :, -1:], k, v, None, variant, rest),
-    }
-    with_sinks = {"scaling": 0.5, "sliding_window": 12, "softcap": 30.0, "s_aux": sinks}
-    for family_eager, call in ((False, with_sinks), (True, {"scaling": 0.5, "sliding_window": 12})):
-        want = {name: value for name, value in call.items() if name != "s_aux"}
-        for path, run in paths.items():
-            calls.clear()
-            rest = dict(call)
-            run(variants.take_variant(layer, rest, family_eager=family_eager), rest)
-            assert calls, f"{path}: the family's eager function was not called"
-            for got in calls:
-                assert {name: got.get(name) for name in want} == want, path
-                assert (got.get("s_aux") is sinks) == ("s_aux" in call), path
+    for device in ("cpu", "meta"):
+        sinks = torch.zeros(4, device=device)
+        q = k = v = torch.zeros(1, 4, 40, 8, device=device)  # one document of 40 tokens, a window of 12: several blocks
+        padded = torch.ones(1, 1, 40, 40, dtype=torch.bool, device=device)
+        paths = [  # (name, function, its tensors before the variant)
+            ("per-document blocks", variants.document_attention, (q, k, v)),
+            ("padded rows", variants.masked_attention, (q, k, v, padded)),
+            ("decode step", variants.masked_attention, (q[:, :, -1:], k, v, None)),
+        ]
+        with_sinks = {"scaling": 0.5, "sliding_window": 12, "softcap": 30.0, "s_aux": sinks}
+        for family_eager, call in ((False, with_sinks), (True, {"scaling": 0.5, "sliding_window": 12})):
+            want = {name: value for name, value in call.items() if name != "s_aux"}
+            for path, function, tensors in paths:
+                calls.clear()
+                rest = dict(call)
+                function(layer, *tensors, variants.take_variant(layer, rest, family_eager=family_eager), rest)
+                assert calls, f"{path} on {device}: the family's eager function was not called"
+                for got in calls:
+                    assert {name: got.get(name) for name in want} == want, path
+                    assert (got.get("s_aux") is sinks) == ("s_aux" in call), path
