@@ -47,7 +47,10 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
             ``odc_hf.integrations.trainer.bundle.BundleCollator(truncate=True)``); otherwise they raise a ValueError here.
         plan_ahead: plan this many steps ahead in a background thread, so a step's plan is ready when training asks
             for it (planning 65,536 samples over 1,024 ranks takes 0.1-0.4 s on one core). The plans are the same:
-            each is a pure function of its step's samples. 0: plan each step when it is asked for.
+            each is a pure function of its step's samples. While step s is handed out, steps up to s + plan_ahead
+            are planned or queued, one at a time, in one thread named ``odc-plan-ahead_0`` (the name stack dumps of
+            a stuck rank show); an iteration stopped early drops the queued plans and does not wait for the one in
+            progress. 0: plan each step when it is asked for.
     """
 
     def __init__(
@@ -140,9 +143,9 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
         pending: deque = deque()
         upcoming = iter(range(start, len(self)))
         try:
-            for step in upcoming:
+            for step in upcoming:  # the first step and plan_ahead - 1 more; each handout queues one further
                 pending.append((step, pool.submit(self._plan_for_rank, step)))
-                if len(pending) > self.plan_ahead:
+                if len(pending) >= self.plan_ahead:
                     break
             while pending:
                 step, future = pending.popleft()
@@ -152,9 +155,7 @@ class ODCBatchSampler(Sampler[list[list[int]]]):
                     pending.append((following, pool.submit(self._plan_for_rank, following)))
                 self._next_step = step + 1
                 yield plan
-        finally:
-            for _, future in pending:
-                future.cancel()
+        finally:  # queued plans are dropped; the one in progress ends on its own
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _plan_for_rank(self, step: int) -> list[list[int]]:

@@ -1,5 +1,6 @@
 """ODCBatchSampler: each sample once per epoch, identical plans on every rank, resumable."""
 
+import threading
 import time
 
 import numpy as np
@@ -175,6 +176,68 @@ def test_plan_ahead_gives_the_same_bundles_and_takes_planning_off_the_critical_p
     assert first_two == inline[0][:2] and partial.state_dict()["step"] == 2
     with pytest.raises(ValueError, match="plan_ahead must be an integer >= 0"):
         ODCBatchSampler(lengths, rank=0, plan_ahead=-1, **args)
+
+
+class RecordingSampler(ODCBatchSampler):
+    """Records each step it is asked to plan, the thread that plans it and how many plans run at once; a step in
+    ``held`` waits for ``release`` before its plan is made."""
+
+    def __init__(self, *args, held=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked, self.finished, self.threads, self.most = [], [], set(), 0
+        self.held, self.release, self._lock, self._running = set(held), threading.Event(), threading.Lock(), 0
+
+    def plan(self, step):
+        with self._lock:
+            self.asked.append(step)
+            self.threads.add(threading.current_thread().name)
+            self._running += 1
+            self.most = max(self.most, self._running)
+        if step in self.held:
+            assert self.release.wait(10)
+        time.sleep(0.02)  # long enough for a second worker, if there were one, to start the next plan meanwhile
+        with self._lock:
+            self._running -= 1
+            self.finished.append(step)
+        return super().plan(step)
+
+
+def _eventually(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the planning thread did not get there"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("plan_ahead", [1, 2, 3])
+def test_plan_ahead_plans_that_many_steps_beyond_the_one_handed_out_one_at_a_time_in_its_named_thread(plan_ahead):
+    """While step s is handed out, steps up to s + plan_ahead are planned (all of them, once the thread has caught up,
+    and not one more), one plan at a time, in the thread named odc-plan-ahead_0."""
+    lengths = np.random.default_rng(2).integers(10, 500, size=96)
+    sampler = RecordingSampler(lengths, world_size=2, rank=0, minibatch_size=16, max_tokens_per_microbatch=512,
+                               seed=3, plan_ahead=plan_ahead)  # fmt: skip
+    last = len(sampler) - 1
+    for s, _ in enumerate(sampler):
+        expected = list(range(min(s + plan_ahead, last) + 1))
+        _eventually(lambda expected=expected: sampler.finished[-1:] == expected[-1:])
+        time.sleep(0.05)  # a plan queued beyond them would have started by now
+        assert sampler.asked == expected, s
+    assert sampler.threads == {"odc-plan-ahead_0"} and sampler.most == 1
+
+
+def test_an_iteration_stopped_early_drops_its_queued_plans_and_does_not_wait_for_the_one_in_progress():
+    lengths = np.random.default_rng(2).integers(10, 500, size=96)
+    sampler = RecordingSampler(lengths, world_size=2, rank=0, minibatch_size=16, max_tokens_per_microbatch=512,
+                               seed=3, plan_ahead=3, held={1})  # fmt: skip
+    it = iter(sampler)
+    next(it)  # step 0 handed out; step 1's plan is held in progress, steps 2 and 3 are queued behind it
+    _eventually(lambda: sampler.asked == [0, 1])
+    it.close()  # as when training stops before the epoch ends
+    assert sampler.finished == [0]  # closing did not wait for step 1's plan
+    sampler.release.set()
+    _eventually(lambda: sampler.finished == [0, 1])
+    time.sleep(0.1)  # a queued plan would have started by now
+    assert sampler.asked == [0, 1]
 
 
 def test_a_resume_state_is_accepted_exactly_within_its_bounds():
