@@ -101,20 +101,81 @@ def test_planners_price_microbatches_with_the_floor():
 
 
 def test_bad_inputs_raise_clear_errors():
-    with pytest.raises(ValueError, match="3 distinct"):
+    """Each error names what is wrong and what was given: matched by type and by the words the user reads."""
+    with pytest.raises(ValueError, match="fitting a \\+ b·s \\+ c·s² needs timings at >= 3 distinct lengths"):
         QuadraticCostModel.fit([100, 100, 200], [1.0, 1.0, 2.0])
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(ValueError, match=r"lengths and seconds must have the same length, got \(3,\) and \(2,\)"):
+        QuadraticCostModel.fit([100, 200, 300], [1.0, 2.0])
+    for seconds in ([1.0, -2.0, 3.0], [1.0, float("inf"), 3.0]):
+        with pytest.raises(ValueError, match="seconds must be finite and >= 0"):
+            QuadraticCostModel.fit([100, 200, 300], seconds)
+    with pytest.raises(ValueError, match="all timings are zero; cannot fit a cost model"):
+        QuadraticCostModel.fit([100, 200, 300], [0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match=r"QuadraticCostModel.a must be finite and >= 0, got -1.0"):
         QuadraticCostModel(a=-1.0, b=1.0, c=0.0)
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(ValueError, match="QuadraticCostModel needs a, b or c > 0, otherwise everything costs nothing"):
+        QuadraticCostModel(a=0.0, b=0.0, c=0.0, floor=1.0)
+    for one in ({"a": 1.0}, {"b": 1.0}, {"c": 1.0}):  # any one coefficient is a model
+        assert QuadraticCostModel(**{"a": 0.0, "b": 0.0, "c": 0.0, **one}).microbatch_cost([10]) > 0
+    with pytest.raises(ValueError, match=r"a cost model needs keys a, b, c \(and optionally floor\); missing \['c'\]"):
+        QuadraticCostModel.from_dict({"a": 1, "b": 2})
+    with pytest.raises(ValueError, match=r"lengths must be finite and >= 0, got min -1.0"):
         TokenCostModel().doc_costs([10, -1])
-    with pytest.raises(ValueError, match="num_layers"):
+    with pytest.raises(ValueError, match=r"lengths must be a 1-D sequence of token counts, got shape \(1, 2\)"):
+        TokenCostModel().doc_costs([[10, 1]])
+    with pytest.raises(ValueError, match="lengths must be numeric, got dtype <U2"):
+        TokenCostModel().doc_costs(["10"])
+    assert TokenCostModel().doc_costs(np.array([3, 4], dtype=np.int16)).dtype == np.float64  # s² never overflows
+    with pytest.raises(ValueError, match=r"FlopCostModel.num_layers must be > 0, got 0"):
         FlopCostModel(num_matmul_params=10, num_layers=0, attn_dim=4)
+    assert FlopCostModel(num_matmul_params=1, num_layers=1, attn_dim=1).doc_costs([1])[0] == 12.0  # 1 is a size
 
     class NotADecoder:
         hidden_size = 8
 
-    with pytest.raises(ValueError, match="lacks"):
+    with pytest.raises(ValueError, match=r"config NotADecoder lacks \['num_hidden_layers', 'num_attention_heads', "
+                                         r"'intermediate_size', 'vocab_size'\]: not a dense decoder config; build "
+                                         r"FlopCostModel\(\.\.\.\) directly"):  # fmt: skip
         FlopCostModel.from_config(NotADecoder())
+    with pytest.raises(ValueError, match=r"got 1 microbatches but 3 timings"):
+        QuadraticCostModel.fit_microbatches([[1]], [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="an empty microbatch has no cost to fit; drop dummy microbatches"):
+        QuadraticCostModel.fit_microbatches([[1], [], [3]], [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"microbatch document lengths must be finite and >= 0, got min -3.0"):
+        QuadraticCostModel.fit_microbatches([[1], [2], [-3]], [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="fitting needs microbatches of >= 3 distinct token counts"):
+        QuadraticCostModel.fit_microbatches([[1, 2], [3], [4]], [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="seconds must be finite and >= 0"):
+        QuadraticCostModel.fit_microbatches([[1], [2], [3]], [1.0, -2.0, 3.0])
+    assert QuadraticCostModel.fit_microbatches([[1], [2], [3]], [0.0, 0.0, 1.0]).c > 0  # a zero timing is a timing
+
+
+def test_descriptions_state_the_model_and_its_numbers():
+    model = FlopCostModel.from_config(qwen2_5_config("7B"))
+    assert model.describe() == (
+        f"FLOP model 6·N·s + 6·L·d_attn·s² (N={model.num_matmul_params / 1e9:.3f}B, L=28, d_attn=3584, "
+        f"s*={model.crossover_length / 1e3:.1f}k)"
+    )
+    assert model.describe().startswith("FLOP model 6·N·s + 6·L·d_attn·s² (N=7.") and model.describe().endswith("k)")
+    assert TokenCostModel().describe() == "token-linear model (cost = tokens)"
+    assert QuadraticCostModel(a=0.1, b=2e-6, c=1.5e-10).describe() == (
+        "calibrated model 0.1 + 2e-06·s + 1.5e-10·s² per microbatch (seconds)"
+    )
+    assert QuadraticCostModel(a=0.0, b=2e-6, c=1.5e-10, floor=0.18).describe() == (
+        "calibrated model max(0.18, 0 + 2e-06·s + 1.5e-10·s²) per microbatch (seconds)"
+    )
+
+
+def test_fit_finds_the_floor_when_each_length_is_timed_several_times():
+    """Calibration may time every length more than once: a floor split only falls between distinct token counts,
+    and a split inside a repeated count is skipped, not the end of the search."""
+    truth = QuadraticCostModel(a=0.0, b=3e-5, c=6e-10, floor=0.18)
+    lengths = [s for s in (512, 2048, 4096, 8192, 16384, 24576, 32768) for _ in range(3)]
+    fitted = QuadraticCostModel.fit(lengths, [truth.microbatch_cost([s]) for s in lengths])
+    assert fitted.floor == pytest.approx(0.18, rel=1e-6)
+    assert fitted.b == pytest.approx(3e-5, rel=1e-6) and fitted.c == pytest.approx(6e-10, rel=1e-6)
+    rows = [[s] for s in lengths]
+    assert QuadraticCostModel.fit_microbatches(rows, [truth.microbatch_cost(r) for r in rows]) == fitted
 
 
 def test_calibrate_times_a_tiny_model_on_cpu(one_torch_thread, monkeypatch):

@@ -136,7 +136,7 @@ def test_bad_arguments_raise():
         plan_none([1, 2], 2, 0, TokenCostModel())
     with pytest.raises(ValueError, match="integers"):
         plan_none([1.5, 2], 2, 10, TokenCostModel())
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(ValueError, match="lengths must be >= 0; sample 1 has length -2"):
         plan_none([1, -2], 2, 10, TokenCostModel())
 
 
@@ -162,3 +162,85 @@ def test_lower_bound_counts_overhead_of_the_fewest_microbatches():
     model = QuadraticCostModel(a=1.0, b=1.0, c=0.0)
     # 4 documents of 10 tokens, budget 20 -> at least 2 microbatches; 2 ranks
     assert makespan_lower_bound([10] * 4, 2, 20, model) == (40 + 2 * 1.0) / 2
+
+
+def test_budget_of_one_token_is_valid_and_non_integer_or_zero_budgets_are_refused():
+    """The budget check is "a positive integer": 1 passes, 0 and 2.5 are refused with the budget named."""
+    assert plan_none([1, 1, 0, 1], 2, 1, TokenCostModel()).microbatches == [[[0, 2], []], [[1], [3]]]  # 1 + 0 fits 1
+    for budget in (0, 2.5, -3):
+        for planner in PLANNERS.values():
+            with pytest.raises(ValueError, match=rf"max_tokens_per_microbatch must be a positive integer, got {budget}"):
+                planner([1, 1], 2, budget, TokenCostModel())
+        with pytest.raises(ValueError, match="max_tokens_per_microbatch must be a positive integer"):
+            makespan_lower_bound([1, 1], 2, budget, TokenCostModel())
+
+
+def test_every_planner_and_the_bound_refuse_over_budget_samples_by_default():
+    """Truncation is opt-in everywhere, not only in LB-Mini: the default names the sample and the budget."""
+    lengths = [100, 5000, 20]
+    for call in (*PLANNERS.values(), makespan_lower_bound):
+        with pytest.raises(ValueError, match=r"sample 1 has 5000 tokens, more than max_tokens_per_microbatch=4096"):
+            call(lengths, 2, 4096, TokenCostModel())
+        call(lengths, 2, 4096, TokenCostModel(), truncate=True)
+    assert makespan_lower_bound(lengths, 2, 4096, TokenCostModel(), truncate=True) == 4096
+
+
+@settings(max_examples=60, deadline=None)
+@given(instance=instances(), seed=st.integers(0, 2**16))
+def test_vectorised_packing_is_first_fit_decreasing_per_rank_heaviest_first(instance, seed):
+    """LB-Mini's packing of all ranks at once equals the plain first-fit decreasing of each rank's share, member for
+    member (longest first inside a microbatch), with each rank's microbatches ordered heaviest first (ties: the order
+    first-fit opened them) and priced max(floor, overhead + documents); the plan names its cost model."""
+    from odc_hf.balance.planner import _packed_plan, pack_first_fit_decreasing
+
+    lengths, world_size, budget, cost_model = instance
+    eff = np.asarray(lengths, dtype=np.int64)
+    labels = np.random.default_rng(seed).integers(0, world_size, size=eff.size)
+    doc_costs = cost_model.doc_costs(eff)
+    plan = _packed_plan("lb_mini", labels, eff, doc_costs, cost_model, 0.0, world_size, budget)
+    assert plan.cost_model == cost_model.describe()
+    for rank in range(world_size):
+        bins = pack_first_fit_decreasing(np.nonzero(labels == rank)[0], eff, budget)
+        prices = [cost_model.price(doc_costs[b].sum()) for b in bins]
+        order = sorted(range(len(bins)), key=lambda j: (-prices[j], j))
+        assert plan.microbatches[rank] == [bins[j] for j in order]
+        assert plan.microbatch_costs[rank] == pytest.approx([prices[j] for j in order], rel=1e-12)
+
+
+def test_plain_sharding_deals_round_robin_packs_in_order_and_pads_at_the_end():
+    """plan_none is DistributedSampler's layout: rank r takes samples r, r+W, ... in order, cuts a microbatch when
+    the next sample would overflow the budget (a sample that fills it exactly stays), dummies go last and cost 0
+    even when every microbatch has an overhead."""
+    lengths = [30, 50, 80, 50, 15, 20]  # rank 0: 30 | 80 + 15 (its second microbatch is the heavier); rank 1: 50 + 50 | 20
+    plan = plan_none(lengths, 2, 100, QuadraticCostModel(a=1.0, b=1.0, c=0.0))
+    assert plan.microbatches == [[[0], [2, 4]], [[1, 3], [5]]]  # in data order; 50 + 50 fills the budget exactly
+    assert plan.microbatch_costs == [[31.0, 96.0], [101.0, 21.0]]
+    assert plan.cost_model == QuadraticCostModel(a=1.0, b=1.0, c=0.0).describe()
+    plan = plan_none([30, 50, 80], 2, 100, QuadraticCostModel(a=1.0, b=1.0, c=0.0))
+    assert plan.microbatches == [[[0], [2]], [[1], []]] and plan.microbatch_costs == [[31.0, 81.0], [51.0, 0.0]]
+
+
+def test_lb_micro_dummies_cost_nothing_and_microbatch_index_j_holds_the_jth_costliest_group():
+    """With fewer samples than ranks the dummies are priced 0 despite the overhead; otherwise every microbatch at
+    index j costs at least every microbatch at index j + 1 (the W·k microbatches sorted and cut into k groups)."""
+    model = QuadraticCostModel(a=1.0, b=1.0, c=0.0)
+    plan = plan_lb_micro([5, 7], 4, 16, model)
+    assert sorted(c for costs in plan.microbatch_costs for c in costs) == [0.0, 0.0, 6.0, 8.0]
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        lengths = rng.integers(1, 4096, size=int(rng.integers(8, 40)))
+        plan = plan_lb_micro(lengths, 3, 4096, COST_MODELS["flop"])
+        costs = np.array(plan.microbatch_costs)
+        assert all(costs[:, j].min() >= costs[:, j + 1].max() for j in range(costs.shape[1] - 1)), costs
+
+
+def test_lb_micro_keeps_groups_that_fill_the_budget_exactly_and_repairs_groups_no_single_move_fixes():
+    # four 50-token samples fill two 100-token microbatches exactly: one microbatch per rank, nothing moved
+    assert plan_lb_micro([50] * 4, 2, 100, TokenCostModel()).num_microbatches == [1, 1]
+    # cost c·s² sets the 110-token sample apart from fifteen 10-token ones (150 tokens, 20 over a 130 budget): no
+    # single sample brings that group within budget, so the repair moves the largest, then the smallest that is
+    # enough, into the 110-token group, which the last move fills exactly: still one microbatch per rank
+    lengths = [110] + [10] * 15
+    plan = plan_lb_micro(lengths, 2, 130, QuadraticCostModel(a=0.0, b=0.0, c=1.0))
+    assert plan.num_microbatches == [1, 1]
+    assert [sum(lengths[i] for i in mbs[0]) for mbs in plan.microbatches] == [130, 130]

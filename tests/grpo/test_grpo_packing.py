@@ -301,3 +301,113 @@ def test_packed_rows_give_trl_s_padded_log_probs_entropies_and_gradients():
     (ref.log_probs[:, -7:] * weights).sum().backward()
     for (name, a), b in zip(packed_model.named_parameters(), padded_model.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)  # measured: float32 rounding
+
+
+def cuts(n):
+    """Every way to cut n ordered samples into consecutive runs: lists of (start, end)."""
+    for mask in range(2 ** max(n - 1, 0)):
+        edges = [0] + [k + 1 for k in range(n - 1) if mask >> k & 1] + [n]
+        yield list(zip(edges, edges[1:]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 90)), min_size=1, max_size=9),
+       st.sampled_from([150, 300, 600]), st.sampled_from([1, 16]), st.sampled_from(["none", "h200", "flop"]))  # fmt: skip
+def test_pack_padded_with_prompts_is_the_best_cut_of_the_sorted_samples(pairs, budget, multiple, name):
+    """With prompt lengths, rows are as wide as the longest prompt plus the longest completion, rounded up to the
+    column multiple: among every cut of the samples sorted longest first (ties: lower index) into consecutive runs,
+    pack_padded takes one with the fewest microbatches within the budget, then the least padded cost (brute force).
+    With all prompts empty it is the packing by sample length."""
+    from odc_hf.balance.padded import padded_microbatch_width
+
+    cost_model = COST_MODELS[name]
+    if cost_model is not None and cost_model.floor:
+        cost_model = QuadraticCostModel(a=0.0, b=cost_model.b, c=cost_model.c, floor=0.003)
+    prompts, lengths = [p for p, _ in pairs], [p + c for p, c in pairs]
+    order = sorted(range(len(pairs)), key=lambda i: (-lengths[i], i))
+
+    def width(run):
+        return padded_microbatch_width([prompts[i] for i in run], [lengths[i] - prompts[i] for i in run], multiple)
+
+    def price(run):
+        w = width(run)
+        return float(w * len(run)) if cost_model is None else cost_model.microbatch_cost([w] * len(run))
+
+    best = min(
+        (len(cut), sum(price(order[a:b]) for a, b in cut))
+        for cut in cuts(len(order))
+        if all(b - a == 1 or (b - a) * width(order[a:b]) <= budget for a, b in cut)
+    )
+    mbs = pack_padded(range(len(pairs)), lengths, budget, cost_model, prompts=prompts, multiple=multiple)
+    assert [i for mb in mbs for i in mb] == order, "consecutive runs of the sorted order, longest first"
+    assert len(mbs) == best[0]
+    assert sum(price(mb) for mb in mbs) == pytest.approx(best[1], rel=1e-9)
+    assert pack_padded(range(len(pairs)), lengths, budget, cost_model, prompts=[0] * len(pairs)) == pack_padded(
+        range(len(pairs)), lengths, budget, cost_model
+    )
+    if multiple == 1:  # the default: no rounding
+        assert pack_padded(range(len(pairs)), lengths, budget, cost_model, prompts=prompts) == mbs
+    if cost_model is not None:  # one rank's plan prices each microbatch at its real padded width
+        plan = plan_padded(lengths, 1, budget, cost_model, prompts=prompts, multiple=multiple)
+        assert sorted(map(sorted, plan.microbatches[0])) == sorted(map(sorted, mbs))
+        for mb, cost in zip(plan.microbatches[0], plan.microbatch_costs[0]):
+            assert cost == pytest.approx(price(mb), rel=1e-12)
+
+
+def rank_cost(share, lengths, budget, cost_model):
+    return sum(padded_cost(mb, lengths, cost_model) for mb in pack_padded(share, lengths, budget, cost_model))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 4096), min_size=0, max_size=18), st.integers(2, 4), st.sampled_from(["flop", "h200"]))
+def test_padded_rebalancing_ends_where_no_move_or_swap_helps_the_busiest_rank(lengths, world, name):
+    """LB-Mini's GRPO shares end in a local optimum of the padded costs: no sample moved from the busiest rank
+    (ties: the lower rank) to another, and no swap of two samples of different lengths between them, leaves both
+    below the busiest rank's cost. LB-Micro and plain sharding keep their planner's shares (only packed)."""
+    from odc_hf.balance.planner import PLANNERS
+
+    cost_model, budget = COST_MODELS[name], 4096
+    for balance in ("lb_micro", "none"):
+        planned = PLANNERS[balance](lengths, world, budget, cost_model).microbatches
+        plan = plan_padded(lengths, world, budget, cost_model, balance)
+        assert [sorted(i for mb in mbs for i in mb) for mbs in plan.microbatches] == [
+            sorted(i for mb in mbs for i in mb) for mbs in planned
+        ]
+        assert plan.mode == balance and plan.cost_model == cost_model.describe()
+    plan = plan_padded(lengths, world, budget, cost_model)
+    shares = [[i for mb in mbs for i in mb] for mbs in plan.microbatches]
+    loads = [rank_cost(s, lengths, budget, cost_model) for s in shares]
+    hi = min(range(world), key=lambda r: (-loads[r], r))
+    for lo in (r for r in range(world) if r != hi):
+        changes = [(x, None) for x in shares[hi]]
+        changes += [(x, y) for x in shares[hi] for y in shares[lo] if lengths[x] != lengths[y]]
+        for x, y in changes:
+            a = rank_cost([i for i in shares[hi] if i != x] + ([] if y is None else [y]), lengths, budget, cost_model)
+            b = rank_cost([i for i in shares[lo] if i != y] + [x], lengths, budget, cost_model)
+            assert max(a, b) >= loads[hi] * (1 - 1e-7), (hi, lo, x, y, a, b, loads)
+
+
+def test_padded_widths_round_only_when_asked_and_one_token_rows_fill_the_budget():
+    from odc_hf.balance.padded import padded_microbatch_width, padded_width
+
+    assert padded_width(3, 4) == 4 and padded_microbatch_width([3, 1], [4, 2]) == 7  # multiple 1 by default
+    assert padded_width(3, 4, 0) == 4 and padded_microbatch_width([3], [4], 8) == 8
+    assert pack_padded(range(64), [1] * 64, 64) == [list(range(64))]  # rows x 1 token <= 64
+    assert sorted(map(len, pack_padded(range(65), [1] * 65, 64))) == [1, 64]
+
+
+def test_padded_rebalancing_stopped_by_its_work_bound_still_covers_every_sample(monkeypatch):
+    """The local search stops after a fixed amount of work (a bound on planning time): stopped early, at the first
+    evaluation or part-way through its scan, the plan still holds every sample once and is no worse than packing the planner's shares."""
+    import odc_hf.balance.padded as padded
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(64, 4096, size=96).tolist()
+    cost_model = COST_MODELS["h200"]
+    planned = plan_lb_mini(lengths, 4, 4096, cost_model)
+    before = max(rank_cost([i for mb in mbs for i in mb], lengths, 4096, cost_model) for mbs in planned.microbatches)
+    for work in (1, 500, 5000):
+        monkeypatch.setattr(padded, "_SEARCH_WORK", work)
+        plan = plan_padded(lengths, 4, 4096, cost_model)
+        check_layout([mb for mbs in plan.microbatches for mb in mbs], range(len(lengths)), lengths, 4096)
+        assert plan.predicted_odc_time <= before * (1 + 1e-9)
