@@ -246,3 +246,60 @@ def test_trainer_reads_every_cost_model_json_form(tmp_path):
         trainer = SimpleNamespace(odc_config=ODCConfig(cost_model=str(path)))
         model = ODCMixin._odc_cost_model(trainer)
         assert np.allclose([model.a, model.b, model.c], [truth.a, truth.b, truth.c], rtol=1e-6), name
+
+
+def _reference_fit_error(lengths, seconds):
+    """The least squared error of max(floor, a + b·s + c·s²) over the fit's candidates, written plainly from its
+    documentation: the k shortest rows (a split between distinct lengths) on the floor = their median, (a, b, c) the
+    non-negative least squares of the rest (>= 3 distinct lengths), the fit pricing its floor rows at or below the
+    floor, something above the floor (b or c > 0) when k > 0; k = 0 is the plain fit."""
+    from itertools import combinations
+
+    order = np.argsort(lengths, kind="stable")
+    s, t = np.asarray(lengths, dtype=float)[order], np.asarray(seconds, dtype=float)[order]
+    design = np.stack([np.ones_like(s), s, s * s], axis=1)
+
+    def nonnegative_least_squares(x, y):
+        best = None
+        for size in (1, 2, 3):
+            for active in combinations(range(3), size):
+                coef = np.zeros(3)
+                coef[list(active)] = np.linalg.lstsq(x[:, active] / x[:, active].max(axis=0), y, rcond=None)[0]
+                coef[list(active)] /= x[:, active].max(axis=0)
+                if (coef >= 0).all() and coef.any():
+                    error = float(np.sum((x @ coef - y) ** 2))
+                    if best is None or error < best[0] - 1e-18:
+                        best = (error, coef)
+        return None if best is None else best[1]
+
+    errors = []
+    for k in range(len(s)):
+        if len(set(s[k:])) < 3:
+            break
+        if k and s[k - 1] == s[k]:
+            continue
+        coef = nonnegative_least_squares(design[k:], t[k:])
+        if coef is None or (k and coef[1] == 0 and coef[2] == 0):
+            continue
+        floor = float(np.median(t[:k])) if k else 0.0
+        if k and float(design[k - 1] @ coef) > floor:
+            continue
+        errors.append(float(np.sum((np.maximum(floor, design @ coef) - t) ** 2)))
+    return min(errors)
+
+
+def test_fit_takes_the_candidate_with_the_least_squared_error():
+    """On noisy launch-bound-then-quadratic timings (lengths timed once or twice), the fitted model's squared error is
+    the least of all candidates' (a plain reference of the candidates, including the plain additive fit)."""
+    rng = np.random.default_rng(7)
+    truth = QuadraticCostModel(a=0.0, b=3e-5, c=6e-10, floor=0.18)
+    for trial in range(40):
+        lengths = np.sort(rng.choice([256, 512, 1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768], size=8))
+        if trial % 2:
+            lengths = np.repeat(lengths[:5], 2)
+        seconds = np.array([truth.microbatch_cost([s]) for s in lengths]) * rng.uniform(0.9, 1.1, size=lengths.size)
+        if len(set(lengths.tolist())) < 3:
+            continue
+        fitted = QuadraticCostModel.fit(lengths, seconds)
+        error = float(np.sum((np.array([fitted.microbatch_cost([s]) for s in lengths]) - seconds) ** 2))
+        assert error == pytest.approx(_reference_fit_error(lengths, seconds), rel=1e-6, abs=1e-15), trial
