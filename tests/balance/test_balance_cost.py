@@ -303,3 +303,24 @@ def test_fit_takes_the_candidate_with_the_least_squared_error():
         fitted = QuadraticCostModel.fit(lengths, seconds)
         error = float(np.sum((np.array([fitted.microbatch_cost([s]) for s in lengths]) - seconds) ** 2))
         assert error == pytest.approx(_reference_fit_error(lengths, seconds), rel=1e-6, abs=1e-15), trial
+
+
+def test_flop_model_reads_an_explicit_head_dim_and_defaults_key_value_heads_to_the_heads():
+    """A config whose head_dim is not hidden / heads (Qwen3: 128 at hidden 1024, 16 heads) prices attention with its
+    own head_dim; a config without num_key_value_heads (multi-head attention) counts every head for K and V."""
+
+    class Config:
+        hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size = 1024, 2, 16, 3072, 1000
+        num_key_value_heads, head_dim = 8, 128
+
+    model = FlopCostModel.from_config(Config())
+    assert model.attn_dim == 16 * 128
+    q_and_o, k_and_v, mlp = 2 * 1024 * 16 * 128, 2 * 1024 * 8 * 128, 3 * 1024 * 3072
+    assert model.num_matmul_params == 2 * (q_and_o + k_and_v + mlp) + 1024 * 1000
+
+    class MultiHead:
+        hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size = 64, 1, 4, 128, 10
+
+    model = FlopCostModel.from_config(MultiHead())
+    assert model.attn_dim == 64
+    assert model.num_matmul_params == 4 * 64 * 64 + 3 * 64 * 128 + 64 * 10
