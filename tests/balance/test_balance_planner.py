@@ -212,11 +212,12 @@ def test_plain_sharding_deals_round_robin_packs_in_order_and_pads_at_the_end():
     the next sample would overflow the budget (a sample that fills it exactly stays), dummies go last and cost 0
     even when every microbatch has an overhead."""
     lengths = [30, 50, 80, 50, 15, 20]  # rank 0: 30 | 80 + 15 (its second microbatch is the heavier); rank 1: 50 + 50 | 20
-    plan = plan_none(lengths, 2, 100, QuadraticCostModel(a=1.0, b=1.0, c=0.0))
+    model = QuadraticCostModel(a=1.0, b=1.0, c=0.0)
+    plan = plan_none(lengths, 2, 100, model)
     assert plan.microbatches == [[[0], [2, 4]], [[1, 3], [5]]]  # in data order; 50 + 50 fills the budget exactly
     assert plan.microbatch_costs == [[31.0, 96.0], [101.0, 21.0]]
-    assert plan.cost_model == QuadraticCostModel(a=1.0, b=1.0, c=0.0).describe()
-    plan = plan_none([30, 50, 80], 2, 100, QuadraticCostModel(a=1.0, b=1.0, c=0.0))
+    assert plan.cost_model == model.describe()
+    plan = plan_none([30, 50, 80], 2, 100, model)
     assert plan.microbatches == [[[0], [2]], [[1], []]] and plan.microbatch_costs == [[31.0, 81.0], [51.0, 0.0]]
 
 
