@@ -158,6 +158,41 @@ def test_predicted_times_and_bubble_of_a_hand_made_plan():
         plan.predicted_time("ddp")
 
 
+def test_a_plan_checks_its_shape_answers_per_rank_and_keeps_its_fields_through_remap():
+    """Plan's own contract: one cost per microbatch per rank (refused by message otherwise), for_rank within
+    [0, world), each semantics its own time (FSDP's sum of per-index maxima vs ODC's busiest rank), a bubble on
+    costs far below 1 (seconds), remap keeping mode, dummies, costs, bound and cost model, and the summary's numbers."""
+    with pytest.raises(ValueError, match="microbatches and microbatch_costs must have one entry per rank"):
+        Plan(mode="x", microbatches=[[[0]], [[1]]], microbatch_costs=[[1.0]], lower_bound=0.0)
+    with pytest.raises(ValueError, match=r"rank 1: 2 microbatches but 1 costs"):
+        Plan(mode="x", microbatches=[[[0]], [[1], [2]]], microbatch_costs=[[1.0], [1.0]], lower_bound=0.0)
+    # rank 0: two light microbatches; rank 1: one heavy one and a dummy (FSDP pads counts with empty microbatches)
+    plan = Plan(mode="lb_micro", microbatches=[[[0], [1]], [[2], []]], microbatch_costs=[[0.02, 0.03], [0.04, 0.0]],
+                lower_bound=0.04, cost_model="quadratic(a=0)")  # fmt: skip
+    assert plan.for_rank(1) == [[2], []] and plan.for_rank(0) == [[0], [1]]
+    for bad in (-1, 2):
+        with pytest.raises(ValueError, match=rf"rank must be in \[0, 2\), got {bad}"):
+            plan.for_rank(bad)
+    assert plan.predicted_time("fsdp") == pytest.approx(0.04 + 0.03) and plan.predicted_fsdp_time == plan.predicted_time("fsdp")
+    assert plan.predicted_time("odc") == pytest.approx(0.05) and plan.predicted_odc_time == plan.predicted_time("odc")
+    assert plan.predicted_bubble("fsdp") == pytest.approx(1 - 0.045 / 0.07)
+    assert plan.predicted_bubble("odc") == pytest.approx(1 - 0.045 / 0.05)
+    moved = plan.remap(np.array([7, 8, 9]))
+    assert moved == Plan(mode="lb_micro", microbatches=[[[7], [8]], [[9], []]], microbatch_costs=plan.microbatch_costs,
+                         lower_bound=0.04, cost_model="quadratic(a=0)")  # fmt: skip
+    assert moved.for_rank(1)[1] == [] and all(type(i) is int for mbs in moved.microbatches for mb in mbs for i in mb)
+    assert plan.summary() == {
+        "mode": "lb_micro", "num_microbatches": [2, 2], "predicted_fsdp_time": plan.predicted_fsdp_time,
+        "predicted_odc_time": plan.predicted_odc_time, "predicted_bubble_fsdp": plan.predicted_bubble("fsdp"),
+        "predicted_bubble_odc": plan.predicted_bubble("odc"), "lower_bound": 0.04, "cost_model": "quadratic(a=0)",
+    }  # fmt: skip
+    # no ranks, and ranks with no microbatches: nothing to run, no time, no bubble
+    for empty in (Plan(mode="x", microbatches=[], microbatch_costs=[], lower_bound=0.0),
+                  Plan(mode="x", microbatches=[[], []], microbatch_costs=[[], []], lower_bound=0.0)):  # fmt: skip
+        assert empty.predicted_fsdp_time == 0.0 and empty.predicted_odc_time == 0.0
+        assert empty.predicted_bubble("fsdp") == 0.0 and empty.predicted_bubble("odc") == 0.0
+
+
 def test_lower_bound_counts_overhead_of_the_fewest_microbatches():
     model = QuadraticCostModel(a=1.0, b=1.0, c=0.0)
     # 4 documents of 10 tokens, budget 20 -> at least 2 microbatches; 2 ranks

@@ -277,27 +277,88 @@ def test_packed_rows_give_trl_s_padded_log_probs_entropies_and_gradients():
     padded_model.load_state_dict(packed_model.state_dict())
     for model in (packed_model, padded_model):
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prompt_mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
-    completion_mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [1] * 7, [0] * 7])
-    ids = torch.randint(1, 97, (3, 11))
+    # a one-token prompt first (its first completion token is scored from packed entry 0), a completion masked out
+    # whole, one ending early, and a last row whose completion fills every column (its last token is scored from
+    # the row's last entry, next to the zero that unscored columns read)
+    prompt_mask = torch.tensor([[0, 0, 0, 1], [0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0], [0] * 7, [1] * 7])
+    ids = torch.randint(1, 97, (4, 11))
     mask = torch.cat([prompt_mask, completion_mask], dim=1)
     labels = ids.masked_fill(mask == 0, -100)  # as TRL's _get_per_token_logps_and_entropies
     labels[:, :-7] = -100
     ref = padded_model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
     packed = pack_rows(ids, mask, 7)
     index = packed.pop("index")
-    assert packed["cu_seq_lens_q"].tolist() == [0, 5, 16, 19] and packed["max_length_q"] == 11
+    assert packed["cu_seq_lens_q"].tolist() == [0, 3, 8, 11, 22] and packed["max_length_q"] == 11
     out = packed_model(**packed, fused_lm_head=True)
     logps, entropy = scatter_packed(out.log_probs, index), scatter_packed(out.entropy, index)
     # fp32, a 2-layer model: measured 4.8e-7 (RoPE at shifted positions, other matmul shapes); 0 where TRL has 0
     torch.testing.assert_close(logps, ref.log_probs[:, -7:], rtol=0, atol=2e-6)
     torch.testing.assert_close(entropy, ref.entropy[:, -7:], rtol=0, atol=2e-6)
     assert not logps[completion_mask == 0].any()
-    weights = torch.randn(3, 7)
+    assert logps[completion_mask == 1].ne(0).all()  # every scored token has its log-prob
+    weights = torch.randn(4, 7)
     (logps * weights).sum().backward()
     (ref.log_probs[:, -7:] * weights).sum().backward()
     for (name, a), b in zip(packed_model.named_parameters(), padded_model.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)  # measured: float32 rounding
+
+
+@st.composite
+def padded_rows(draw):
+    """TRL-like padded rows: left-padded prompts (0 to 4 tokens), completions with holes and right padding."""
+    rows, prompt_width, completion_width = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(1, 5))
+    mask = []
+    for _ in range(rows):
+        prompt = draw(st.integers(0, prompt_width))
+        completion = draw(st.lists(st.booleans(), min_size=completion_width, max_size=completion_width))
+        mask.append([0] * (prompt_width - prompt) + [1] * prompt + [int(b) for b in completion])
+    return mask, completion_width
+
+
+@settings(max_examples=200, deadline=None)
+@given(padded_rows())
+def test_pack_rows_equals_a_row_by_row_reference(case):
+    """pack_rows against its docstring, row by row: the attended tokens back to back; positions count columns from
+    the row's first attended token (a hole keeps its distance); labels are the token in a scored column except at a
+    sequence start; each scored column reads the shifted entry before its token (the zero past the end when it is
+    not attended or is the packed row's first token; a later row's first token reads an entry its -100 label
+    leaves at zero); boundaries at every non-empty row. Rows with no attended token, one token, or a one-token
+    prompt included."""
+    import torch
+
+    from odc_hf.integrations.trl.grpo_batch import pack_rows, scatter_packed
+
+    mask, keep = case
+    rows, width = len(mask), len(mask[0])
+    ids = torch.arange(1, rows * width + 1).reshape(rows, width) * 10
+    tokens, positions, labels, at, sizes = [], [], [], {}, []
+    for r in range(rows):
+        columns = [c for c in range(width) if mask[r][c]]
+        for k, c in enumerate(columns):
+            at[r, c] = len(tokens)
+            tokens.append(int(ids[r, c]))
+            positions.append(c - columns[0])
+            labels.append(int(ids[r, c]) if c >= width - keep and k > 0 else -100)
+        if columns:
+            sizes.append(len(columns))
+    total = len(tokens)
+    index = [[at[r, c] - 1 if (r, c) in at and at[r, c] > 0 else total - 1 for c in range(width - keep, width)]
+             for r in range(rows)]  # fmt: skip
+    packed = pack_rows(ids, torch.tensor(mask), keep)
+    assert packed["input_ids"].tolist() == [tokens] and packed["position_ids"].tolist() == [positions]
+    assert packed["labels"].tolist() == [labels] and packed["index"].tolist() == index
+    cu = [0]
+    for n in sizes:
+        cu.append(cu[-1] + n)
+    for side in ("q", "k"):
+        assert packed[f"cu_seq_lens_{side}"].tolist() == cu and packed[f"cu_seq_lens_{side}"].dtype == torch.int32
+        assert packed[f"max_length_{side}"] == max(sizes, default=0) and type(packed[f"max_length_{side}"]) is int
+    if total:  # the shifted values (entry t scores token t + 1) back in TRL's layout, zero where unscored
+        shifted = torch.arange(1.0, total)
+        out = scatter_packed(shifted.unsqueeze(0), packed["index"])
+        assert out.tolist() == [[float(shifted[i]) if i < total - 1 else 0.0 for i in row] for row in index]
+    assert scatter_packed(None, packed["index"]) is None
 
 
 def cuts(n):

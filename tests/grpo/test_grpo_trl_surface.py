@@ -36,9 +36,27 @@ def test_a_trl_without_the_grpo_names_odc_hf_reads_is_refused_by_name():
         trl_version.check_trl_grpo(object())
 
 
-def _weights(loss_type, mask, slices):
+def _weights(loss_type, mask, slices, num_items_in_batch=40.0):
     return grpo_batch.sample_weights(mask, slices, loss_type=loss_type, num_slices=2, world_size=2,
-                               max_completion_length=8, num_items_in_batch=40.0)  # fmt: skip
+                                     max_completion_length=8, num_items_in_batch=num_items_in_batch)  # fmt: skip
+
+
+def _trl_loss(loss_type, mask, slices, per_token, num_items_in_batch=40.0):
+    """TRL's loss of this rank's two microbatches as it divides them (G = 2 accumulation steps, W = 2 ranks,
+    steps_per_generation 2, max_completion_length 8), averaged over the ranks."""
+    trl = torch.zeros((), dtype=torch.float64)
+    for s in (0, 1):
+        m, x = mask[slices == s].double(), per_token[slices == s].double()
+        if loss_type == "grpo":
+            loss = ((x * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean() / 2
+        elif loss_type == "bnpo":
+            loss = (x * m).sum() / m.sum().clamp(min=1.0) / 2
+        elif loss_type == "dr_grpo":
+            loss = (x * m).sum() / (x.size(0) * 8) / 2
+        else:
+            loss = (x * m).sum() / (max(num_items_in_batch, 1.0) / 2 * 2 / 2)
+        trl = trl + loss / 2  # gradients averaged over W = 2 ranks
+    return trl
 
 
 @pytest.mark.parametrize("loss_type", grpo_batch.SUPPORTED_LOSS_TYPES)
@@ -47,20 +65,34 @@ def test_sample_weights_reproduce_trl_normalisers(loss_type):
     mask = (torch.rand(4, 8) < 0.7).long()
     slices = torch.tensor([0, 0, 1, 1])
     per_token = torch.randn(4, 8)
-    ours = (_weights(loss_type, mask, slices).float().unsqueeze(1) * per_token * mask).sum()
-    trl = torch.zeros(())
-    for s in (0, 1):  # this rank's two microbatches as TRL divides them (G = 2 accumulation steps, W = 2 ranks)
-        m, x = mask[slices == s], per_token[slices == s]
-        if loss_type == "grpo":
-            loss = ((x * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean() / 2
-        elif loss_type == "bnpo":
-            loss = (x * m).sum() / m.sum().clamp(min=1.0) / 2
-        elif loss_type == "dr_grpo":
-            loss = (x * m).sum() / (x.size(0) * 8) / 2
-        else:
-            loss = (x * m).sum() / (40.0 / 2 * 2 / 2)
-        trl = trl + loss / 2  # gradients averaged over W = 2 ranks
-    torch.testing.assert_close(ours, trl)
+    ours = (_weights(loss_type, mask, slices).unsqueeze(1) * per_token.double() * mask).sum()
+    torch.testing.assert_close(ours, _trl_loss(loss_type, mask, slices, per_token))
+
+
+@pytest.mark.parametrize("loss_type", grpo_batch.SUPPORTED_LOSS_TYPES)
+@pytest.mark.parametrize("num_items_in_batch", [40.0, 1.0, 0.0])
+def test_sample_weights_at_the_clamps_and_with_unequal_microbatches(loss_type, num_items_in_batch):
+    """The edges of TRL's normalisers: a completion of one token and one of none (``grpo`` clamps a sequence's
+    tokens at 1), a microbatch of one sample with one token (``bnpo`` clamps a microbatch's tokens at 1), microbatches
+    of 3 and 1 samples (P differs), and ``dapo``'s global token count at 1 and 0 (clamped at 1). Killed mutants:
+    each clamp at 2 instead of 1."""
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0], [0] * 8, [0, 0, 1, 0, 0, 0, 0, 0]])
+    slices = torch.tensor([0, 0, 0, 1])
+    per_token = torch.linspace(-1.0, 2.0, 32).reshape(4, 8)
+    weights = _weights(loss_type, mask, slices, num_items_in_batch)
+    assert weights.dtype == torch.float64 and weights.shape == (4,)
+    ours = (weights.unsqueeze(1) * per_token.double() * mask).sum()
+    torch.testing.assert_close(ours, _trl_loss(loss_type, mask, slices, per_token, num_items_in_batch))
+    if loss_type == "grpo":  # one token: weight 1 / (1 x 3 x 4); none: finite (clamped), read against a zero mask
+        assert weights[1].item() == pytest.approx(1 / 12) and torch.isfinite(weights).all()
+    if loss_type == "bnpo":
+        assert weights[3].item() == pytest.approx(1 / 4)
+
+
+def test_an_unknown_loss_type_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"loss_type 'cispo' is not supported \(supported: \('dapo', 'grpo', 'bnpo', "
+                                         r"'dr_grpo'\)\)"):  # fmt: skip
+        _weights("cispo", torch.ones(2, 3), torch.tensor([0, 1]))
 
 
 def test_unbatch_collate_round_trip():
@@ -79,8 +111,63 @@ def test_unbatch_collate_round_trip():
         expected = batch[key][:, :2] if key.startswith("completion") else batch[key]  # trailing padding dropped
         assert torch.equal(again[key], expected), key
     assert again["num_label_tokens"] == 3
-    with pytest.raises(NotImplementedError, match="pixel_values"):
+    with pytest.raises(NotImplementedError, match=r"ODCGRPOTrainer cannot rebalance batches with \['pixel_values'\]"):
         grpo_batch.unbatch({**batch, "pixel_values": torch.zeros(2, 3)}, torch.ones(2))
+    # a completion masked out whole (mask_truncated_completions) keeps one masked token, whatever the other rows hold
+    truncated = {**batch, "completion_mask": torch.tensor([[1, 1, 0], [0, 0, 0]])}
+    samples = grpo_batch.unbatch(truncated, torch.tensor([1.0, 2.0]))
+    assert [s["completion_ids"].tolist() for s in samples] == [[11, 12], [13]]
+    assert [s["completion_mask"].tolist() for s in samples] == [[1, 1], [0]] and samples[1]["weight"] == 2.0
+
+
+def test_collate_of_one_sample_and_of_every_key_trl_reads():
+    """A microbatch of one sample (common in GRPO: a long completion alone) and the keys beside the tokens: the pad
+    token fills completion columns (not 0), every other per-token key pads right with its own value, the weights
+    stay float64, TRL's slice of each sample rides along, ``tool_mask`` takes its tokens out of the label count,
+    no packed row unless asked, the exact width unless a multiple is asked, every tensor on the device asked."""
+    pad = 99
+
+    def sample(prompt, completion, slice_, weight, tool):
+        n = len(completion)
+        return {"prompt_ids": torch.tensor(prompt), "completion_ids": torch.tensor(completion),
+                "completion_mask": torch.ones(n, dtype=torch.long), "tool_mask": torch.tensor(tool),
+                "old_per_token_logps": torch.full((n,), -1.5), "ref_per_token_logps": torch.full((n,), -2.0),
+                "advantages": torch.tensor(float(weight)), "weight": weight, "odc_slice": slice_}  # fmt: skip
+
+    one = grpo_batch.collate([sample([5, 6], [7, 8, 9], 1, 0.125, [1, 0, 1])], pad_token_id=pad, device="cpu")
+    assert one["prompt_ids"].tolist() == [[5, 6]] and one["completion_ids"].tolist() == [[7, 8, 9]]
+    assert one["odc_weight"].dtype == torch.float64 and one["odc_weight"].tolist() == [0.125]
+    assert one["odc_slice"].dtype == torch.long and one["odc_slice"].tolist() == [1]
+    assert one["num_label_tokens"] == 2 and grpo_batch.PACKED_KEY not in one
+    assert grpo_batch.sample_length(sample([5, 6], [7, 8, 9], 1, 0.125, [1, 0, 1])) == 5  # what the planner weighs
+    two = grpo_batch.collate([sample([5, 6], [7, 8, 9], 1, 0.125, [1, 0, 1]), sample([4], [3], 0, 0.5, [1])],
+                             pad_token_id=pad, device="cpu")  # fmt: skip
+    assert two["prompt_ids"].tolist() == [[5, 6], [pad, 4]] and two["prompt_mask"].tolist() == [[1, 1], [0, 1]]
+    assert two["completion_ids"].tolist() == [[7, 8, 9], [3, pad, pad]]
+    assert two["completion_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] and two["tool_mask"].tolist() == [[1, 0, 1], [1, 0, 0]]
+    assert two["old_per_token_logps"].tolist() == [[-1.5] * 3, [-1.5, 0.0, 0.0]]
+    assert two["ref_per_token_logps"].tolist() == [[-2.0] * 3, [-2.0, -1e4, -1e4]]
+    assert two["odc_weight"].tolist() == [0.125, 0.5] and two["odc_slice"].tolist() == [1, 0]
+    assert two["num_label_tokens"] == 3  # 2 + 1: the tool's token is not a label
+    assert two["prompt_ids"].size(1) + two["completion_ids"].size(1) == 5  # odd: no multiple by default
+    on_meta = grpo_batch.collate([sample([5, 6], [7, 8, 9], 1, 0.125, [1, 0, 1])], pad_token_id=pad, device="meta",
+                                 packed=True)  # fmt: skip
+    assert all(v.device.type == "meta" for v in on_meta.values() if isinstance(v, torch.Tensor))
+    assert on_meta[grpo_batch.PACKED_KEY]["input_ids"].tolist() == [[5, 6, 7, 8, 9]]  # built on the CPU
+
+
+def test_a_collated_packed_row_holds_each_sample_back_to_back():
+    """``collate(packed=True)``: the packed row is each sample's prompt then completion, unpadded, in sample order,
+    with a boundary after each (the padded batch's columns and masks, not other tensors, go in)."""
+    samples = [{"prompt_ids": torch.tensor(p), "completion_ids": torch.tensor(c),
+                "completion_mask": torch.tensor(m), "advantages": torch.tensor(0.0), "weight": 1.0}
+               for p, c, m in (([5, 6], [7, 8, 9], [1, 1, 1]), ([4], [3], [1]), ([1, 2, 3], [11, 12], [1, 0]))]  # fmt: skip
+    batch = grpo_batch.collate(samples, pad_token_id=0, device="cpu", packed=True, pad_to_multiple_of=4)
+    packed = batch[grpo_batch.PACKED_KEY]
+    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 4, 3, 1, 2, 3, 11]]
+    assert packed["cu_seq_lens_q"].tolist() == [0, 5, 7, 11] and packed["max_length_q"] == 5
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3]]
+    assert packed["index"].shape == batch["completion_ids"].shape  # TRL's completion columns (5, padded to 8)
 
 
 def test_pack_padded_keeps_padded_microbatches_within_budget():  # more in test_grpo_packing.py

@@ -81,6 +81,76 @@ def test_memory_model_round_trip_and_validation():
         model.peak_bytes(10, 29)
 
 
+def test_predicted_peak_is_the_documented_sum_of_its_terms():
+    """peak(T, n) = static + fixed + T x (other + n x checkpoint + (L - n) x layer + recompute if n > 0), checked
+    term by term with values that no other combination of the terms reproduces (killed mutants: the checkpoint term
+    subtracted, the recompute term paid at n = 0 or not at n = 1, a recompute of 1 byte at n = 0)."""
+    terms = dict(num_layers=4, layer_bytes_per_token=1000.0, checkpoint_bytes_per_token=10.0,
+                 recompute_bytes_per_token=300.0, other_bytes_per_token=7.0, fixed_bytes=50_000.0,
+                 static_bytes=2_000_000.0)  # fmt: skip
+    model = MemoryModel(**terms)
+    for n in range(5):
+        per_token = 7.0 + n * 10.0 + (4 - n) * 1000.0 + (300.0 if n > 0 else 0.0)
+        assert model.bytes_per_token(n) == per_token
+        for tokens in (0, 1, 4096):
+            assert model.peak_bytes(tokens, n) == 2_000_000.0 + 50_000.0 + tokens * per_token
+    # without a recompute transient, one checkpointed layer saves exactly layer - checkpoint bytes per token
+    plain = MemoryModel(**{**terms, "recompute_bytes_per_token": 0.0})
+    assert plain.bytes_per_token(0) - plain.bytes_per_token(1) == 990.0
+    # the choice reads the same terms: with 3 of 4 layers needed at 1000 tokens, not 2 and not 4
+    device = model.peak_bytes(1000, 3)
+    assert choose_checkpointing(model, 1000, device) == (3, True)
+    assert choose_checkpointing(model, 1000, device - 1) == (4, True)
+
+
+def test_memory_errors_name_the_value_and_its_range():
+    with pytest.raises(ValueError, match=r"num_layers must be >= 1, got 0"):
+        _memory(num_layers=0)
+    assert _memory(num_layers=1).bytes_per_token(1) == 3e3 + 180e3 + 20e3  # one layer is a valid model
+    for name in ("layer_bytes_per_token", "checkpoint_bytes_per_token", "recompute_bytes_per_token",
+                 "other_bytes_per_token", "fixed_bytes", "static_bytes"):  # fmt: skip
+        for bad in (-1.0, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match=rf"MemoryModel\.{name} must be finite and >= 0, got {bad}"):
+                _memory(**{name: bad})
+    model = _memory()
+    assert model.peak_bytes(0, 0) == 14 * GIB  # no tokens: the resident terms
+    with pytest.raises(ValueError, match=r"tokens must be >= 0, got -1"):
+        model.peak_bytes(-1, 0)
+    with pytest.raises(ValueError, match=r"checkpointed layers must be in \[0, 28\], got -1"):
+        model.bytes_per_token(-1)
+    with pytest.raises(ValueError, match=r"checkpointed fraction must be in \[0, 1\], got 1.5"):
+        layers_to_checkpoint(1.5, 28)
+    with pytest.raises(ValueError, match=r"checkpointed layers must be in \[0, 28\], got 29"):
+        checkpointed_indices(29, 28)
+
+
+def test_the_advice_reads_whole_gib_and_the_edges_of_the_room():
+    """shortfall's numbers are GiB of the predicted need and of the usable device; a budget of one token is still
+    advice; a device exactly filled by the resident terms leaves room for no token; a model with no per-token
+    bytes fits any budget."""
+    from odc_hf.balance.memory import largest_fitting_tokens, shortfall
+
+    model = _memory(static_bytes=10 * GIB, fixed_bytes=2 * GIB)
+    words = shortfall(model, 65536, 20 * GIB)
+    need = model.peak_bytes(65536, 28) / GIB
+    assert words.startswith(f"even full activation checkpointing is predicted to need {need:.1f} GiB at 65536 tokens "
+                            "per microbatch, and 20.0 GiB are usable")  # fmt: skip
+    per_token = model.bytes_per_token(28)
+    one_token = model.peak_bytes(1, 28)
+    assert largest_fitting_tokens(model, one_token) == 1
+    assert shortfall(model, 65536, one_token).endswith("lower max_tokens_per_microbatch to 1 or less")
+    assert largest_fitting_tokens(model, 12 * GIB) == 0  # the resident terms exactly fill it
+    assert largest_fitting_tokens(model, 12 * GIB + per_token - 1) == 0
+    words = shortfall(model, 65536, 12 * GIB)
+    assert "alone take 12.0 GiB per process: no token budget fits" in words
+    assert words.endswith("train an adapter (LoRA), or use a smaller model")
+    free = MemoryModel(num_layers=2, layer_bytes_per_token=0.0, checkpoint_bytes_per_token=0.0, static_bytes=GIB)
+    assert largest_fitting_tokens(free, 2 * GIB) >= 2**62
+    half = MemoryModel(num_layers=1, layer_bytes_per_token=1.0, checkpoint_bytes_per_token=0.5)  # below a byte
+    assert largest_fitting_tokens(half, 1.0) == 2 and largest_fitting_tokens(half, 0.0) == 0
+    assert choose_checkpointing(free, 2**40, 2 * GIB) == (0, True)
+
+
 def test_selective_spelling_and_layer_spread():
     assert layers_to_checkpoint(0.5, 28) == 14 and layers_to_checkpoint(0.01, 28) == 1
     assert layers_to_checkpoint(1.0, 28) == 28 and layers_to_checkpoint(0.0, 28) == 0
