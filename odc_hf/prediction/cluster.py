@@ -127,15 +127,20 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config, name: str | None = None) -> ModelShape:
-        """From a dense decoder config (Llama / Qwen2 / Mistral attribute names); attention biases as Qwen2 has them."""
+        """From a dense decoder config (Llama / Qwen2 / Mistral attribute names), biases where the config puts them."""
         hidden, layers, heads, kv_heads, head_dim = decoder_dims(
             config, "the estimate needs one; build a ModelShape(...) directly for other shapes"
         )
         q_o = 2 * hidden * heads * head_dim
         k_v = 2 * hidden * kv_heads * head_dim
         mlp = 3 * hidden * config.intermediate_size
-        bias = getattr(config, "attention_bias", getattr(config, "model_type", "") == "qwen2")
-        biases = (heads + 2 * kv_heads) * head_dim if bias else 0
+        # Llama-style configs say attention_bias for q, k, v and the output projection; Qwen2's have no attribute and
+        # biases on q, k, v only; mlp_bias adds the three MLP projections' biases
+        attention_bias = getattr(config, "attention_bias", None)
+        qkv_bias = attention_bias if attention_bias is not None else getattr(config, "model_type", "") == "qwen2"
+        biases = (heads + 2 * kv_heads) * head_dim if qkv_bias else 0
+        biases += hidden if attention_bias else 0
+        biases += 2 * config.intermediate_size + hidden if getattr(config, "mlp_bias", False) else 0
         layer = q_o + k_v + mlp + biases + 2 * hidden  # two RMSNorm weights
         embed = config.vocab_size * hidden
         tied = bool(getattr(config, "tie_word_embeddings", False))

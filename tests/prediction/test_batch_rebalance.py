@@ -75,7 +75,23 @@ def test_missing_sampler_is_a_clear_error(monkeypatch):
 
     monkeypatch.delattr(tpu, "BatchRebalanceSampler", raising=False)
     ok, why = hf.available()
-    assert not ok and "5.17 and 5.24" in why
+    assert not ok and why.startswith("transformers' BatchRebalanceSampler is not importable (")
+    assert why.endswith("the batch_rebalance baseline needs a transformers that has "
+                        "TrainingArguments(train_sampling_strategy='batch_rebalance') (5.17 and 5.24 do)")  # fmt: skip
+    with pytest.raises(hf.RebalanceUnavailable, match="not importable"):
+        hf.quadratic_coefficient()
+
+
+@needs_sampler
+def test_a_sampler_without_the_method_read_is_named(monkeypatch):
+    """A release whose sampler keeps its name but not ``_assign`` (the private method all ranks' plans come from)."""
+    import transformers
+
+    monkeypatch.delattr(hf.sampler_class(), "_assign")
+    ok, why = hf.available()
+    assert not ok and why == (f"transformers {transformers.__version__}: BatchRebalanceSampler has no "
+                              "_assign(indices, lengths); odc_hf reads all ranks' plans through it (checked on 5.17 "
+                              "and 5.24)")  # fmt: skip
 
 
 def test_a_lockstep_planner_may_stop_and_its_rows_cover_the_steps_before():

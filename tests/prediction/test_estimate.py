@@ -216,3 +216,171 @@ def test_help_shows_every_default():
     for shown in ("--gpus-per-node GPUS_PER_NODE GPUs per node (default: 8)", "(default: 1.5B)",
                   "--nodes NODES number of nodes (1: a single node only) (default: 2)"):  # fmt: skip
         assert shown in text, shown
+
+
+def _result(speedups, *, se=0.0, steps=12, key="single_node", cluster="1 node x 8 GPUs"):
+    """A summary as :func:`summarize` makes it, with the speedups given (per-step spread p10/p90 = speedup -/+ 0.1)."""
+    s = {"cluster": cluster, "steps": steps, "bound_s": 0.5}
+    for i, name in enumerate(("odc_hsdp", *speedups)):
+        s[name] = {"total_s": 1.0 + i, "compute_s": 0.9, "comm_s": 0.01 * i, "overhead_s": 0.05, "bubble": 0.1 * i,
+                   "steps": steps, "total_p10_s": 0.9 + i, "total_p90_s": 1.1 + i}  # fmt: skip
+    for name, speedup in speedups.items():
+        s.update({f"speedup_vs_{name}": speedup, f"speedup_vs_{name}_se": se, f"speedup_vs_{name}_steps": steps,
+                  f"speedup_vs_{name}_p10": speedup - 0.1, f"speedup_vs_{name}_p90": speedup + 0.1})  # fmt: skip
+    return {key: s}
+
+
+def test_verdict_edges_the_strongest_competitor_and_its_threshold():
+    """The competitor is the baseline ODC beats by least (on one node not the full-sharding rows, which are the same
+    schedule there); at exactly the threshold ODC is worth it, just below it not; the interval is 2 standard errors
+    either side; ten steps are enough for a verdict and nine are not."""
+    from odc_hf.prediction.estimate import THRESHOLD, UNCERTAINTY_SE
+
+    one = _result({"fsdp2_full": 0.9, "fsdp2_hsdp": 1.3, "rebalance_hsdp": 1.6})
+    assert verdict(one)["baseline"] == "fsdp2_hsdp" and verdict(one)["layout"] == "single_node"
+    multi = {**one, **_result({"fsdp2_full": 1.1, "fsdp2_hsdp": 1.2, "rebalance_full": 1.4}, key="multi_node")}
+    v = verdict(multi)  # across nodes full sharding is a schedule of its own, and here the strongest
+    assert (v["layout"], v["baseline"], v["speedup"]) == ("multi_node", "fsdp2_full", 1.1)
+    assert v["per_step_p10_p90"] == [pytest.approx(1.0), pytest.approx(1.2)] and v["steps"] == 12
+    assert (v["threshold"], v["min_steps"]) == (THRESHOLD, MIN_VERDICT_STEPS) and UNCERTAINTY_SE == 2.0
+    at = verdict(_result({"fsdp2_hsdp": THRESHOLD}))
+    assert at["answer"] == "worth it" and at["worth_it"] and at["interval"] == [THRESHOLD, THRESHOLD]
+    below = verdict(_result({"fsdp2_hsdp": float(np.nextafter(THRESHOLD, 0))}))
+    assert below["answer"] == "NOT worth it" and not below["worth_it"]
+    close = verdict(_result({"fsdp2_hsdp": 1.1}, se=0.05))
+    assert close["interval"] == [pytest.approx(1.0), pytest.approx(1.2)] and close["answer"] == "too close to call"
+    assert verdict(_result({"fsdp2_hsdp": 1.1}, se=0.02))["answer"] == "worth it"  # 1.06 .. 1.14
+    assert verdict(_result({"fsdp2_hsdp": 1.0}, se=0.02))["answer"] == "NOT worth it"  # 0.96 .. 1.04
+    touching = THRESHOLD - 0.5  # its interval ends exactly at the threshold: not below it
+    assert touching + UNCERTAINTY_SE * 0.25 == THRESHOLD
+    assert verdict(_result({"fsdp2_hsdp": touching}, se=0.25))["answer"] == "too close to call"
+    assert verdict(_result({"fsdp2_hsdp": 2.0}, steps=MIN_VERDICT_STEPS))["answer"] == "worth it"
+    assert verdict(_result({"fsdp2_hsdp": 2.0}, steps=MIN_VERDICT_STEPS - 1))["answer"] == "no verdict"
+
+
+def test_the_report_prints_the_estimate_s_numbers_and_each_kind_of_verdict():
+    """format_report in process: every row of both clusters is the summary's (the same parser as the command-line
+    tests), the header and the balance bound; each verdict's words, with the samples a verdict would need."""
+    from odc_hf.prediction.estimate import LABELS, SINGLE_NODE_LABELS, estimate, format_report
+
+    lengths = np.random.default_rng(2).lognormal(np.log(6000), 0.8, 4 * 2 * 2 * 3).astype(np.int64) + 1
+    shape = model_shape("1.5B")
+    cost_model, _ = load_cost_model("h200", shape)
+    result = estimate(lengths, shape, cost_model, gpus_per_node=4, num_nodes=2, network_gb_per_s=25.0, per_rank=2,
+                      max_tokens=int(lengths.max()), grad_accum=2)  # fmt: skip
+    text = format_report(result, ["model: Qwen2.5-1.5B", "data: test"])
+    lines = text.splitlines()
+    assert lines[0] == "odc_hf.estimate: predicted step times, ODC + LB-Mini vs FSDP2 + LB-Micro and batch_rebalance"
+    assert lines[2:4] == ["model: Qwen2.5-1.5B", "data: test"]
+    single, multi = parse(text)
+    check(single, result["single_node"], SINGLE_NODE_LABELS)
+    check(multi, result["multi_node"], LABELS)
+    assert "1 node x 4 GPUs: 6 steps" in lines and "2 nodes x 4 GPUs = 8 GPUs, 25 GB/s network per GPU: 3 steps" in lines
+    assert sum(line.startswith("  balance bound") for line in lines) == 2
+    assert "verdict: none. On 2 nodes x 4 GPUs = 8 GPUs, 25 GB/s network per GPU, ODC HSDP + LB-Mini is predicted" in text
+    assert "batch_rebalance rows left out" not in text
+
+    samples = {"per_step": 4096, "world": 1024, "per_rank": 4}
+    none = format_report(_result({"fsdp2_hsdp": 1.3}, steps=3), [], step_samples=samples)
+    assert ("a verdict needs at least 10 steps. One step takes 4,096 samples (1,024 GPUs x 4 per GPU): 10 steps need "
+            "40,960. Give more samples") in none  # fmt: skip
+    plain = format_report(_result({"fsdp2_hsdp": 1.3}, steps=3), [])
+    assert "One step takes" not in plain and "a verdict needs at least 10 steps. Give more samples" in plain
+    assert plain.splitlines()[-2].endswith("or estimate fewer GPUs or fewer samples per GPU.")
+    worth = format_report(_result({"fsdp2_hsdp": 1.3, "fsdp2_full": 1.25, "rebalance_hsdp": 1.5}, se=0.01), [])
+    assert ("verdict: ODC is worth it for this data. On 1 node x 8 GPUs, ODC + LB-Mini is predicted 1.300x as fast "
+            "as FSDP2 + LB-Micro, the fastest other schedule, over 12 simulated steps (per step 1.200-1.400x, p10-p90; "
+            "mean within 1.280-1.320x at 2 standard errors) (threshold 1.05x") in worth  # fmt: skip
+    rows = parse(worth)[0]
+    assert set(rows) == {"ODC + LB-Mini", "FSDP2 + LB-Micro", "FSDP2 + batch_rebalance (today)", "balance bound"}
+    assert rows["FSDP2 + LB-Micro"][1] == 1.3 and rows["ODC + LB-Mini"][1] is None
+    assert "verdict: ODC is NOT worth it for this data." in format_report(_result({"fsdp2_hsdp": 0.9}), [])
+    close = format_report(_result({"fsdp2_hsdp": 1.1}, se=0.05), [])
+    assert "verdict: too close to call. On 1 node x 8 GPUs," in close
+    assert set(parse(close)[0]) == {"FSDP2 + LB-Micro", "ODC + LB-Mini", "balance bound"}  # rows after a missing one
+    assert close.splitlines()[-2].endswith("the interval spans the threshold 1.05x; more samples narrow it.")
+    missing = format_report({**_result({"fsdp2_hsdp": 1.3}), "rebalance_unavailable": "no sampler here"}, [])
+    lines = missing.splitlines()
+    at = lines.index("batch_rebalance rows left out: no sampler here")
+    assert lines[at - 1] == "" and lines[0].startswith("odc_hf.estimate: predicted step times") and parse(missing)
+    assert missing.splitlines()[-1].startswith("step s: mean predicted step time; ODC speedup: summed baseline time")
+
+
+def _docs_example() -> list[str]:
+    """The report shown in docs/multi_node.md, from its title line to its legend."""
+    text = (ROOT / "docs" / "multi_node.md").read_text()
+    block = text.split("$ python -m odc_hf.estimate --lengths lengths.txt", 1)[1].split("```", 1)[0]
+    return block.splitlines()[1:]
+
+
+def test_the_report_has_the_layout_the_docs_show():
+    """docs/multi_node.md shows what the command prints: the same lines in the same order (blank lines, section
+    titles, the column header, the rows, the bound, the verdict, the legend), up to the numbers. A report of a
+    result with the example's rows and verdict, compared line by line with every number masked."""
+    import re
+
+    from odc_hf.prediction.estimate import format_report
+
+    def mask(line):
+        return re.sub(r"\s+", " ", re.sub(r"\d[\d,]*", "#", line)).strip()
+
+    docs = _docs_example()
+    header = docs[2:6]
+    assert [h.split()[0] for h in header] == ["data", "model", "cost", "step"]
+    result = {
+        **_result({"rebalance_hsdp": 1.167, "fsdp2_hsdp": 1.104}, se=0.002, steps=312),
+        **_result({"rebalance_full": 1.169, "rebalance_hsdp": 1.167, "fsdp2_full": 1.103, "fsdp2_hsdp": 1.101},
+                  se=0.002, steps=156, key="multi_node",
+                  cluster="2 nodes x 8 GPUs = 16 GPUs, 50 GB/s network per GPU"),  # fmt: skip
+    }
+    result["single_node"]["cluster"] = "1 node x 8 GPUs"
+    printed = format_report(result, header).splitlines()
+    assert [mask(line) for line in printed] == [mask(line) for line in docs]
+    columns = [i for i, line in enumerate(docs) if line.split()[:3] == ["step", "s", "ODC"]]
+    assert len(columns) == 2 and all(printed[i] == docs[i] for i in columns)  # the column header, spaces and all
+    assert printed[-1] == docs[-1]  # the legend
+
+
+def test_estimate_passes_its_settings_on_and_bounds_transformers_planning_time(monkeypatch):
+    """estimate() is plan_steps + step_times + summarize with its settings passed on: the seed (0 by default), the
+    progress wrapper (once per cluster layout), one node only when asked for one, batch_rebalance's step cap; its
+    planning time (a clock that advances 1 s per reading: each rebalance step costs 1 s) adds up over the steps and
+    stops the rows after the step that passes the limit; a transformers without the sampler is said, not hidden."""
+    import time
+
+    from odc_hf.prediction import batch_rebalance
+    from odc_hf.prediction.estimate import estimate
+
+    lengths = np.random.default_rng(4).integers(100, 8000, size=2 * 2 * 8)
+    shape = model_shape("1.5B")
+    cost_model, _ = load_cost_model("h200", shape)
+    base = dict(gpus_per_node=2, network_gb_per_s=50.0, per_rank=2, max_tokens=8192)
+    wrapped = []
+
+    def progress(steps):
+        wrapped.append(len(steps))
+        return steps
+
+    one = estimate(lengths, shape, cost_model, num_nodes=1, progress=progress, **base)
+    assert set(one) == {"single_node"} and wrapped == [8]
+    cluster = Cluster(gpus_per_node=2, num_nodes=1)
+    for seed in (0, 3):
+        steps = plan_steps(lengths, 2, 2, 8192, cost_model, seed=seed)
+        want = summarize(step_times(steps, shape, cluster, h200_overheads()))
+        got = estimate(lengths, shape, cost_model, num_nodes=1, seed=seed, **base)["single_node"]
+        assert got["odc_hsdp"] == want["odc_hsdp"] and got["speedup_vs_fsdp2_hsdp"] == want["speedup_vs_fsdp2_hsdp"]
+    assert estimate(lengths, shape, cost_model, num_nodes=1, seed=0, **base) == one  # seed 0 by default
+    two = estimate(lengths, shape, cost_model, num_nodes=2, progress=progress, grad_accum=2, rebalance_max_steps=3,
+                   **base)  # fmt: skip
+    assert wrapped[1:] == [8, 4] and two["single_node"]["rebalance_hsdp"]["steps"] == 3
+    assert two["multi_node"]["rebalance_full"]["steps"] == 3
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    timed = estimate(lengths, shape, cost_model, num_nodes=1, grad_accum=2, rebalance_max_steps=None,
+                     rebalance_time_s=2.0, **base)  # fmt: skip
+    assert timed["single_node"]["rebalance_hsdp"]["steps"] == 3  # 0, 1 and 2 s spent before each: not past 2 s
+    monkeypatch.setattr(batch_rebalance, "available", lambda: (False, "no sampler in this transformers"))
+    missing = estimate(lengths, shape, cost_model, num_nodes=1, grad_accum=2, **base)
+    assert missing["rebalance_unavailable"] == "no sampler in this transformers"
+    assert "rebalance_hsdp" not in missing["single_node"]
