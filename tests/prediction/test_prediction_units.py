@@ -278,3 +278,97 @@ def test_batch_rebalance_on_one_rank_and_its_refusals():
             hf.rebalance_plan([1, 2, 3, 4], world, accum)
     with pytest.raises(ValueError, match=r"^batch_rebalance needs one sample per microbatch: 5 samples for 2 ranks x 3 "):
         hf.rebalance_plan([1, 2, 3, 4, 5], 2, 3)
+
+
+def test_calibration_json_forms_and_their_refusals_by_words(tmp_path):
+    """The three forms a calibration file may take (a fit, timings per length, a run's timings per microbatch), each
+    read as that form; a file without any of them, a list, bad JSON, a missing path and the unitless 'tokens' named
+    with the file's own name; a file that names no model is used as measured, one that names the model at hand too."""
+    import dataclasses
+    import json
+
+    from odc_hf.prediction.cost_models import calibration_from_dict, h200_calibration, load_cost_model
+
+    lengths, seconds = [1024, 4096, 8192, 16384, 32768], [0.12, 0.2, 0.33, 0.65, 1.5]
+    assert calibration_from_dict({"lengths": lengths, "seconds": seconds}) == QuadraticCostModel.fit(lengths, seconds)
+    microbatches = [[1024, 1024], [4096], [8192, 512], [16384], [32768]]
+    assert calibration_from_dict({"microbatches": microbatches, "seconds": seconds}) == (
+        QuadraticCostModel.fit_microbatches(microbatches, seconds))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^cost model: expected a JSON object with a, b, c and optionally floor \(or "
+                                         r"lengths and seconds, or microbatches and seconds, to fit\); got keys "
+                                         r"\['lengths'\]$"):  # fmt: skip
+        calibration_from_dict({"lengths": lengths})
+    with pytest.raises(ValueError, match=r"got keys \['seconds'\]$"):
+        calibration_from_dict({"seconds": seconds})
+    with pytest.raises(ValueError, match=r"^cost model: expected a JSON object, got list$"):
+        calibration_from_dict([1, 2])
+    shape15 = ModelShape(**h200_calibration()["model_shape"])
+    as_list = tmp_path / "list.json"
+    as_list.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=rf"^{as_list}: expected a JSON object, got list$"):
+        load_cost_model(str(as_list), shape15)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    with pytest.raises(ValueError, match=rf"^{broken}: not valid JSON \("):
+        load_cost_model(str(broken), shape15)
+    with pytest.raises(ValueError, match=r"^cost model 'nowhere\.json' is neither 'h200', 'flop' nor an existing "
+                                         r"calibration \.json file$"):  # fmt: skip
+        load_cost_model("nowhere.json", shape15)
+    with pytest.raises(ValueError, match=r"^cost model 'tokens' has no time unit: use 'h200', 'flop' or a calibration "
+                                         r"\.json$"):  # fmt: skip
+        load_cost_model("tokens", shape15)
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({"lengths": lengths, "seconds": seconds}))
+    model, text = load_cost_model(str(mine), SHAPE)
+    assert model == QuadraticCostModel.fit(lengths, seconds) and text == f"your calibration mine.json: {model.describe()}"
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps({"lengths": lengths, "seconds": seconds, "model_shape": dataclasses.asdict(SHAPE)}))
+    model, text = load_cost_model(str(named), SHAPE)
+    assert model == QuadraticCostModel.fit(lengths, seconds) and text == f"calibration named.json of tiny: {model.describe()}"
+
+
+def test_a_calibration_carried_to_another_depth_scales_its_launch_terms_by_layers():
+    """scale_cost_model: a and floor (kernels per layer) by the layer ratio, b by matmul parameters, c by layers x
+    heads x head_dim; the shipped calibration on its own shape is used as measured and says so, on another depth it is
+    scaled and says that; the overheads carry their source."""
+    from odc_hf.prediction.cost_models import (
+        h200_calibration,
+        h200_overheads,
+        load_cost_model,
+        scale_cost_model,
+    )
+
+    model = QuadraticCostModel(a=0.04, b=1e-5, c=5e-10, floor=0.1)
+    reference = ModelShape(name="ref", num_layers=28, layer_params=1000, root_params=0, num_matmul_params=1_000_000,
+                           attn_dim=1536)  # fmt: skip
+    half = ModelShape(name="half", num_layers=14, layer_params=1000, root_params=0, num_matmul_params=3_000_000,
+                      attn_dim=1024)  # fmt: skip
+    scaled = scale_cost_model(model, reference, half)
+    assert scaled.a == pytest.approx(0.02) and scaled.floor == pytest.approx(0.05)
+    assert scaled.b == pytest.approx(3e-5) and scaled.c == pytest.approx(5e-10 * (14 * 1024) / (28 * 1536))
+    asset = h200_calibration()
+    shipped = ModelShape(**asset["model_shape"])
+    measured, text = load_cost_model("h200", shipped)
+    assert text == f"H200 calibration of {shipped.name} ({asset['date']}): {measured.describe()}"
+    shallow = ModelShape(**{**asset["model_shape"], "num_layers": 14, "name": "shallow"})
+    scaled, text = load_cost_model("h200", shallow)
+    assert scaled.a == pytest.approx(measured.a / 2) and scaled.floor == pytest.approx(measured.floor / 2)
+    assert text == f"H200 calibration of {shipped.name} ({asset['date']}) scaled by FLOPs to shallow: {scaled.describe()}"
+    assert h200_overheads().source == asset["step_overhead"]["source"] and h200_overheads().source
+
+
+def test_flop_rate_of_one_token_and_the_default_length():
+    from odc_hf.prediction.cost_models import flop_rate
+
+    model = QuadraticCostModel(a=0.0, b=1e-6, c=0.0)
+    assert flop_rate(model, SHAPE, length=1) == pytest.approx((6.0 * 4_000_000 + 6.0 * 4 * 64) / 1e-6)
+    assert flop_rate(model, SHAPE) == flop_rate(model, SHAPE, length=32768)
+    assert flop_rate(model, SHAPE) == pytest.approx((6.0 * 4_000_000 * 32768 + 6.0 * 4 * 64 * 32768**2) / (1e-6 * 32768))
+    with pytest.raises(ValueError, match=r"^flop_rate: length must be > 0, got 0$"):
+        flop_rate(model, SHAPE, length=0)
+    from odc_hf.prediction.cost_models import flop_cost_model
+
+    curved = QuadraticCostModel(a=0.0, b=1e-6, c=1e-10)  # the rate depends on the length it is taken at
+    short = flop_cost_model(curved, SHAPE, SHAPE, length=1024)
+    assert short.b == pytest.approx(6.0 * 4_000_000 / flop_rate(curved, SHAPE, length=1024))
+    assert short != flop_cost_model(curved, SHAPE, SHAPE)

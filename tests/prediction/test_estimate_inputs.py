@@ -1,0 +1,196 @@
+"""What ``python -m odc_hf.estimate`` reads, in process: lengths files, datasets (local files, saved datasets, folders),
+the column it counts, the tokenizer's counts, and the model's shape; every refusal by its words."""
+
+import json
+
+import numpy as np
+import pytest
+
+from odc_hf.prediction.estimate_inputs import (
+    EstimateError,
+    dataset_lengths,
+    load_rows,
+    model_shape,
+    pick_column,
+    read_lengths_file,
+)
+
+
+def test_lengths_files_in_each_form_and_their_refusals(tmp_path):
+    text = tmp_path / "l.txt"
+    text.write_text("# counts\n10\n\n 20  # a comment\n0\n")
+    assert read_lengths_file(text).tolist() == [10, 20, 0] and read_lengths_file(str(text)).dtype == np.int64
+    as_list = tmp_path / "l.data"  # no .json suffix: read as JSON because it starts with "["
+    as_list.write_text(" [3, 4]")
+    assert read_lengths_file(as_list).tolist() == [3, 4]
+    as_object = tmp_path / "o.json"
+    as_object.write_text(json.dumps({"lengths": [5, 6], "note": "x"}))
+    assert read_lengths_file(as_object).tolist() == [5, 6]
+    cases = {
+        "missing.txt": None,
+        "bad.json": "{",
+        "nolist.json": json.dumps({"counts": [1]}),
+        "bool.json": "[1, true]",
+        "neg.json": "[1, -2]",
+        "float.json": "[1, 2.5]",
+        "word.txt": "1\n2k\n",
+    }
+    words = {
+        "missing.txt": r": no such file$",
+        "bad.json": r": not valid JSON \(",
+        "nolist.json": r": expected a JSON list of integers or an object with 'lengths'$",
+        "bool.json": r": entry 1 is True, not a token count \(int >= 0\)$",
+        "neg.json": r": entry 1 is -2, not a token count \(int >= 0\)$",
+        "float.json": r": entry 1 is 2.5, not a token count \(int >= 0\)$",
+        "word.txt": r", line 2: '2k' is not a token count \(one integer per line\)$",
+    }
+    for name, content in cases.items():
+        path = tmp_path / name
+        if content is not None:
+            path.write_text(content)
+        with pytest.raises(EstimateError, match=rf"^--lengths {path}" + words[name]):
+            read_lengths_file(path)
+
+
+def test_the_counted_column_is_chosen_as_documented():
+    assert pick_column(["text", "input_ids"], None) == "input_ids"
+    assert pick_column(["text", "messages"], None) == "messages"
+    assert pick_column(["id", "text"], None) == "text"
+    assert pick_column(["prompt", "completion"], None) == "prompt+completion"
+    assert pick_column(["prompt", "completion"], "prompt+completion") == "prompt+completion"
+    assert pick_column(["body", "text"], "body") == "body"
+    with pytest.raises(EstimateError, match=r"^--column 'prompt\+completion' is not in the dataset; its columns are "
+                                            r"\['prompt'\]$"):  # fmt: skip
+        pick_column(["prompt"], "prompt+completion")
+    with pytest.raises(EstimateError, match=r"^--column 'x' is not in the dataset; its columns are \['text'\]$"):
+        pick_column(["text"], "x")
+    with pytest.raises(EstimateError, match=r"^no input_ids, messages, text or prompt\+completion column among "
+                                            r"\['prompt', 'body'\]: pass --column NAME$"):  # fmt: skip
+        pick_column(["prompt", "body"], None)
+
+
+def test_dataset_lengths_count_what_training_tokenizes(tmp_path):
+    """Text rows count the tokenizer's ids with one end-of-sequence token (not doubled when the text has it);
+    prompt + completion rows their concatenation; input_ids rows their length; conversations through the chat
+    template; ``max_samples`` the first rows; a saved dataset and a folder of files load too."""
+    import datasets
+
+    from odc_hf.testing.data import default_tokenizer
+
+    tok = default_tokenizer()
+    eos = tok.eos_token
+    texts = ["hello world", "a longer line of text" + eos, "x"]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"text": t, "prompt": t[:3], "completion": t[3:], "input_ids": [1] * (i + 2)})
+                            + "\n" for i, t in enumerate(texts)))  # fmt: skip
+    want = [len(tok(t if t.endswith(eos) else t + eos)["input_ids"]) for t in texts]
+    assert dataset_lengths(str(path), tokenizer="default", column="text").tolist() == want
+    assert dataset_lengths(str(path), tokenizer="default", column="prompt+completion").tolist() == want
+    assert dataset_lengths(str(path), tokenizer="default", column=None).tolist() == [2, 3, 4]  # input_ids first
+    assert dataset_lengths(str(path), tokenizer="default", column="text", max_samples=2).tolist() == want[:2]
+    chats = [[{"role": "user", "content": t}, {"role": "assistant", "content": "ok"}] for t in texts]
+    conv = tmp_path / "chat.jsonl"
+    conv.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    want_chat = [len(ids) for ids in tok.apply_chat_template(chats, tokenize=True, return_dict=True)["input_ids"]]
+    assert dataset_lengths(str(conv), tokenizer="default", column=None).tolist() == want_chat
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(saved))
+    assert dataset_lengths(str(saved), tokenizer="default", column=None).tolist() == want
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(path.read_text())
+    assert len(load_rows(str(folder), split="train", config_name=None)) == 3
+
+
+def test_dataset_refusals_by_their_words(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("  \n\n")
+    with pytest.raises(EstimateError, match=rf"^--dataset {empty}: the file is empty \(no rows\); give a file with one "
+                                            "sample per row$"):  # fmt: skip
+        load_rows(str(empty), split="train", config_name=None)
+    odd = tmp_path / "rows.xyz"
+    odd.write_text("1\n")
+    with pytest.raises(EstimateError, match=rf"^--dataset {odd}: unknown file type '\.xyz'; use one of \["):
+        load_rows(str(odd), split="train", config_name=None)
+    with pytest.raises(EstimateError, match=rf"^--dataset {tmp_path / 'gone.jsonl'}: no such file$"):
+        load_rows(str(tmp_path / "gone.jsonl"), split="train", config_name=None)
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"text": 5}\n{"text": 6}\n')
+    with pytest.raises(EstimateError, match=r"^row 0\+ of column 'text' holds int, not text or chat messages$"):
+        dataset_lengths(str(numbers), tokenizer="default", column="text")
+    with pytest.raises(EstimateError, match=r"^--tokenizer '/nonexistent/tok' could not be loaded \("):
+        dataset_lengths(str(numbers), tokenizer="/nonexistent/tok", column="text")
+
+
+def test_model_shapes_from_presets_and_config_paths(tmp_path):
+    import transformers
+
+    from odc_hf.prediction.cluster import ModelShape
+
+    tied, untied = model_shape("1.5B"), model_shape("7B")
+    assert tied.name == "Qwen2.5-1.5B" and tied.num_params == 1_543_714_304
+    assert untied.name == "Qwen2.5-7B" and untied.num_params == 7_615_616_512
+    with pytest.raises(EstimateError, match=r"^--model '3B': not a preset; the presets are "):
+        model_shape("3B")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=101)  # fmt: skip
+    config.save_pretrained(tmp_path / "llama")
+    assert model_shape(str(tmp_path / "llama")) == ModelShape.from_config(config, name=str(tmp_path / "llama"))
+    with pytest.raises(EstimateError, match=r"AutoConfig could not load it \("):
+        model_shape(str(tmp_path / "nothing"))
+
+
+def test_lengths_file_edges_zero_tokens_comments_and_json_by_suffix_or_content(tmp_path):
+    zeros = tmp_path / "z.json"
+    zeros.write_text("[0, 1]")
+    assert read_lengths_file(zeros).tolist() == [0, 1]  # an empty sample is a count
+    commented = tmp_path / "c.txt"
+    commented.write_text("5 # a # b\n")
+    assert read_lengths_file(commented).tolist() == [5]
+    scalar = tmp_path / "s.json"  # a .json file is JSON whatever it starts with
+    scalar.write_text("5")
+    with pytest.raises(EstimateError, match=r"expected a JSON list of integers or an object with 'lengths'$"):
+        read_lengths_file(scalar)
+    braced = tmp_path / "b.data"  # and a file starting with "{" is JSON whatever its suffix
+    braced.write_text(json.dumps({"lengths": [7]}))
+    assert read_lengths_file(braced).tolist() == [7]
+
+
+def test_many_rows_are_counted_in_batches_with_a_progress_bar(tmp_path, capsys):
+    """More rows than two tokenizer batches (2 x 1,000): every row counted (the last, partial batch too), and a
+    progress bar on stderr; a dataset saved with several splits gives the split asked for."""
+    import datasets
+
+    from odc_hf.testing.data import default_tokenizer
+
+    texts = [f"sample {i} " + "word " * (i % 7) for i in range(2001)]
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = default_tokenizer()
+    want = [len(ids) for ids in tok([t + tok.eos_token for t in texts])["input_ids"]]
+    assert dataset_lengths(str(path), tokenizer="default", column="text").tolist() == want
+    err = capsys.readouterr().err
+    assert "tokenizing" in err and "2001/2001" in err and "samples" in err
+    splits = tmp_path / "splits"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"] * 3}),
+                          "test": datasets.Dataset.from_dict({"text": ["b"] * 2})}).save_to_disk(str(splits))  # fmt: skip
+    assert len(load_rows(str(splits), split="test", config_name=None)) == 2
+    assert len(dataset_lengths(str(splits), tokenizer="default", column=None, split="test")) == 2
+    for suffix in (".json", ".csv", ".txt"):
+        empty = tmp_path / f"empty{suffix}"
+        empty.write_text("")
+        with pytest.raises(EstimateError, match=r": the file is empty \(no rows\)"):
+            load_rows(str(empty), split="train", config_name=None)
+
+
+def test_a_multimodal_config_is_read_through_its_text_model(tmp_path):
+    import transformers
+
+    from odc_hf.prediction.cluster import ModelShape
+
+    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=101)  # fmt: skip
+    config = transformers.LlavaConfig(text_config=text.to_dict())
+    config.save_pretrained(tmp_path / "llava")
+    shape = model_shape(str(tmp_path / "llava"))
+    assert shape == ModelShape.from_config(config.get_text_config(), name=str(tmp_path / "llava"))
