@@ -109,3 +109,17 @@ def test_a_lockstep_planner_may_stop_and_its_rows_cover_the_steps_before():
     assert times["rebalance_hsdp"]["total"].size == 2 and times["odc_hsdp"]["total"].size == 5
     summary = summarize(times)
     assert summary["rebalance_hsdp"]["steps"] == 2 and summary["speedup_vs_rebalance_hsdp_steps"] == 2
+
+
+@needs_sampler
+def test_batch_rebalance_on_one_rank_and_its_refusals():
+    plan = hf.rebalance_plan([300, 100, 200, 50], 1, 2)
+    assert len(plan) == 1 and len(plan[0]) == 2
+    assert sorted(i for mb in plan[0] for i in mb) == [0, 1, 2, 3]
+    assert hf.available() == (True, "")
+    assert hf.quadratic_coefficient() == float(hf.sampler_class().QUADRATIC_COST_COEF)
+    for world, accum in ((0, 1), (1, 0)):
+        with pytest.raises(ValueError, match=rf"^world_size and grad_accum must be >= 1, got {world} and {accum}$"):
+            hf.rebalance_plan([1, 2, 3, 4], world, accum)
+    with pytest.raises(ValueError, match=r"^batch_rebalance needs one sample per microbatch: 5 samples for 2 ranks x 3 "):
+        hf.rebalance_plan([1, 2, 3, 4, 5], 2, 3)

@@ -10,7 +10,6 @@ import transformers
 
 from odc_hf.balance.cost import QuadraticCostModel
 from odc_hf.balance.sampler import ODCBatchSampler
-from odc_hf.prediction import batch_rebalance as hf
 from odc_hf.prediction.cluster import (
     GRAD_BYTES,
     Cluster,
@@ -264,20 +263,6 @@ def test_lockstep_plans_edges():
         lockstep_cost_matrix([], lengths, model)
     with pytest.raises(ValueError, match=r"^layout must be one of \('padded', 'packed'\), got 'dense'$"):
         lockstep_cost_matrix(plan, lengths, model, layout="dense")
-
-
-@pytest.mark.skipif(not hf.available()[0], reason="this transformers has no usable batch_rebalance sampler")
-def test_batch_rebalance_on_one_rank_and_its_refusals():
-    plan = hf.rebalance_plan([300, 100, 200, 50], 1, 2)
-    assert len(plan) == 1 and len(plan[0]) == 2
-    assert sorted(i for mb in plan[0] for i in mb) == [0, 1, 2, 3]
-    assert hf.available() == (True, "")
-    assert hf.quadratic_coefficient() == float(hf.sampler_class().QUADRATIC_COST_COEF)
-    for world, accum in ((0, 1), (1, 0)):
-        with pytest.raises(ValueError, match=rf"^world_size and grad_accum must be >= 1, got {world} and {accum}$"):
-            hf.rebalance_plan([1, 2, 3, 4], world, accum)
-    with pytest.raises(ValueError, match=r"^batch_rebalance needs one sample per microbatch: 5 samples for 2 ranks x 3 "):
-        hf.rebalance_plan([1, 2, 3, 4, 5], 2, 3)
 
 
 def test_calibration_json_forms_and_their_refusals_by_words(tmp_path):
