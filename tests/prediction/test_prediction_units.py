@@ -1,6 +1,7 @@
-"""The step-time model's parts one by one (odc_hf.prediction.simulate / cluster / lockstep / batch_rebalance): each
+"""The step-time model's parts one by one (odc_hf.prediction.simulate / cluster / lockstep / cost_models): each
 candidate assembled from its planned compute, exposed communication and overhead; the speedup's spread; the bound
-of a lockstep plan; the shapes, clusters and plans they refuse, by their words."""
+of a lockstep plan; calibrations read and carried to other shapes; the shapes, clusters, plans and files they refuse,
+by their words."""
 
 import math
 
@@ -20,6 +21,15 @@ from odc_hf.prediction.cluster import (
     odc_all_reduce_seconds,
     rail_collective_seconds,
     sharded_state_bytes,
+)
+from odc_hf.prediction.cost_models import (
+    calibration_from_dict,
+    flop_cost_model,
+    flop_rate,
+    h200_calibration,
+    h200_overheads,
+    load_cost_model,
+    scale_cost_model,
 )
 from odc_hf.prediction.lockstep import lockstep_cost_matrix, padded_tokens, padding_waste
 from odc_hf.prediction.simulate import makespan_bound, plan_steps, step_times, summarize
@@ -272,7 +282,6 @@ def test_calibration_json_forms_and_their_refusals_by_words(tmp_path):
     import dataclasses
     import json
 
-    from odc_hf.prediction.cost_models import calibration_from_dict, h200_calibration, load_cost_model
 
     lengths, seconds = [1024, 4096, 8192, 16384, 32768], [0.12, 0.2, 0.33, 0.65, 1.5]
     assert calibration_from_dict({"lengths": lengths, "seconds": seconds}) == QuadraticCostModel.fit(lengths, seconds)
@@ -316,12 +325,6 @@ def test_a_calibration_carried_to_another_depth_scales_its_launch_terms_by_layer
     """scale_cost_model: a and floor (kernels per layer) by the layer ratio, b by matmul parameters, c by layers x
     heads x head_dim; the shipped calibration on its own shape is used as measured and says so, on another depth it is
     scaled and says that; the overheads carry their source."""
-    from odc_hf.prediction.cost_models import (
-        h200_calibration,
-        h200_overheads,
-        load_cost_model,
-        scale_cost_model,
-    )
 
     model = QuadraticCostModel(a=0.04, b=1e-5, c=5e-10, floor=0.1)
     reference = ModelShape(name="ref", num_layers=28, layer_params=1000, root_params=0, num_matmul_params=1_000_000,
@@ -343,7 +346,6 @@ def test_a_calibration_carried_to_another_depth_scales_its_launch_terms_by_layer
 
 
 def test_flop_rate_of_one_token_and_the_default_length():
-    from odc_hf.prediction.cost_models import flop_rate
 
     model = QuadraticCostModel(a=0.0, b=1e-6, c=0.0)
     assert flop_rate(model, SHAPE, length=1) == pytest.approx((6.0 * 4_000_000 + 6.0 * 4 * 64) / 1e-6)
@@ -351,7 +353,6 @@ def test_flop_rate_of_one_token_and_the_default_length():
     assert flop_rate(model, SHAPE) == pytest.approx((6.0 * 4_000_000 * 32768 + 6.0 * 4 * 64 * 32768**2) / (1e-6 * 32768))
     with pytest.raises(ValueError, match=r"^flop_rate: length must be > 0, got 0$"):
         flop_rate(model, SHAPE, length=0)
-    from odc_hf.prediction.cost_models import flop_cost_model
 
     curved = QuadraticCostModel(a=0.0, b=1e-6, c=1e-10)  # the rate depends on the length it is taken at
     short = flop_cost_model(curved, SHAPE, SHAPE, length=1024)
