@@ -127,6 +127,11 @@ def load_rows(name: str, *, split: str, config_name: str | None):
     except EstimateError:
         raise
     except Exception as err:  # noqa: BLE001 - loading failures are the user's input to fix
+        if path.exists():  # a local file or folder: hub advice would mislead
+            raise EstimateError(
+                f"--dataset {name!r} (split {split!r}) could not be read: {type(err).__name__}: {err}. "
+                "datasets reads an empty file or a dataset saved with no rows this way; it needs at least one row"
+            ) from None
         raise EstimateError(
             f"--dataset {name!r} (split {split!r}) could not be loaded: {type(err).__name__}: {err}. "
             "A hub name needs network access (or the hub cache); otherwise pass a local file or --lengths"

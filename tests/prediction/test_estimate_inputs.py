@@ -2,6 +2,9 @@
 the column it counts, the tokenizer's counts, and the model's shape; every refusal by its words."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -122,6 +125,41 @@ def test_dataset_refusals_by_their_words(tmp_path):
         dataset_lengths(str(numbers), tokenizer="/nonexistent/tok", column="text")
 
 
+def test_a_dataset_without_rows_and_chats_the_tokenizer_cannot_template_are_refused(tmp_path):
+    """A saved dataset with no rows (the empty-file check does not see it), conversations with a tokenizer that has
+    no chat template, and a chat template that raises: each refused by its words, none counted as zero tokens."""
+    import datasets
+
+    from odc_hf.testing.data import default_tokenizer
+
+    none = tmp_path / "none"  # saved after a filter: a data file with no rows, which datasets loads
+    datasets.Dataset.from_dict({"text": ["a"]}).filter(lambda row: False).save_to_disk(str(none))
+    with pytest.raises(EstimateError, match=rf"^--dataset '{none}' \(split 'train'\) has no rows$"):
+        dataset_lengths(str(none), tokenizer="default", column=None)
+    unsaved = tmp_path / "unsaved"  # saved with no data file at all: datasets cannot load it
+    datasets.Dataset.from_dict({"text": []}).save_to_disk(str(unsaved))
+    listed = tmp_path / "listed.json"  # an empty JSON list: not blank, but no rows either
+    listed.write_text("[]")
+    for local in (unsaved, listed):
+        with pytest.raises(EstimateError, match=rf"^--dataset '{local}' \(split 'train'\) could not be read: \w+Error: "
+                                                r".*; it needs at least one row$") as caught:  # fmt: skip
+            dataset_lengths(str(local), tokenizer="default", column=None)
+        assert "hub" not in str(caught.value)  # a local path: no advice about network access
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    tok = default_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(str(tmp_path / "plain"))
+    with pytest.raises(EstimateError, match=r"^row 0\+ of column 'messages' holds chat messages but the tokenizer has "
+                                            r"no chat template$"):  # fmt: skip
+        dataset_lengths(str(chats), tokenizer=str(tmp_path / "plain"), column=None)
+    tok.chat_template = "{{ raise_exception('no roles here') }}"
+    tok.save_pretrained(str(tmp_path / "raising"))
+    with pytest.raises(EstimateError, match=r"^row 0\+ of column 'messages': the chat template failed "
+                                            r"\(TemplateError: no roles here\)$"):  # fmt: skip
+        dataset_lengths(str(chats), tokenizer=str(tmp_path / "raising"), column=None)
+
+
 def test_model_shapes_from_presets_and_config_paths(tmp_path):
     import transformers
 
@@ -194,3 +232,18 @@ def test_a_multimodal_config_is_read_through_its_text_model(tmp_path):
     config.save_pretrained(tmp_path / "llava")
     shape = model_shape(str(tmp_path / "llava"))
     assert shape == ModelShape.from_config(config.get_text_config(), name=str(tmp_path / "llava"))
+
+
+def test_a_hub_name_out_of_reach_is_refused_with_the_advice_for_hub_names():
+    """A dataset name that is no local path and cannot be fetched (offline here, so no retries) gets the hub advice,
+    not the local-file one."""
+    code = ("from odc_hf.prediction.estimate_inputs import EstimateError, load_rows\n"
+            "try:\n    load_rows('no-such-owner/no-such-dataset', split='train', config_name=None)\n"
+            "except EstimateError as err:\n    print(err)\n")  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("--dataset 'no-such-owner/no-such-dataset' (split 'train') could not be loaded: ")
+    assert out.stdout.rstrip().endswith(
+        "A hub name needs network access (or the hub cache); otherwise pass a local file or --lengths"
+    )
