@@ -203,6 +203,64 @@ def test_calibrate_times_a_tiny_model_on_cpu(one_torch_thread, monkeypatch):
     assert calibrate(model, lengths, repeats=1).to_dict() == QuadraticCostModel.fit(lengths, seconds).to_dict()
 
 
+def test_time_lengths_keeps_the_median_of_the_timed_runs_after_one_warm_up(monkeypatch):
+    """Per length: one warm-up run (not counted), then ``repeats`` runs of the same random sequence, the median kept;
+    the model in training mode while timed and its own mode afterwards (also after a failing run), gradients cleared,
+    ``forward_kwargs`` passed through, refusals by their words. A fake clock makes the timings exact."""
+    from types import SimpleNamespace
+
+    import odc_hf.prediction.calibrate as calibrate_module
+    from odc_hf.prediction.calibrate import time_lengths
+
+    class Recording(torch.nn.Module):
+        def __init__(self, fail_at=None):
+            super().__init__()
+            self.config = SimpleNamespace(vocab_size=7)
+            self.weight = torch.nn.Parameter(torch.ones(()))
+            self.calls, self.fail_at = [], fail_at
+
+        def forward(self, input_ids, labels, **kwargs):
+            assert labels is input_ids and all(p.grad is None for p in self.parameters())  # cleared after each run
+            self.calls.append((input_ids.clone(), kwargs, self.training))
+            if len(self.calls) == self.fail_at:
+                raise RuntimeError("out of memory")
+            clock.elapsed = durations.pop(0)
+            return SimpleNamespace(loss=self.weight * input_ids.float().sum())
+
+    class Clock:  # perf_counter: start of a run at `now`, its end `elapsed` later
+        now, elapsed, started = 0.0, 0.0, False
+
+        def __call__(self):
+            if self.started:
+                self.now += self.elapsed
+            self.started = not self.started
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(calibrate_module.time, "perf_counter", clock)
+    durations = [100.0, 3.0, 1.0, 8.0, 100.0, 30.0, 50.0, 100.0]  # warm-up, then 3 repeats; twice (median, not mean)
+    model = Recording().eval()
+    assert time_lengths(model, [2, 5], repeats=3, forward_kwargs={"fused_lm_head": True}) == [3.0, 50.0]
+    assert not durations and len(model.calls) == 8 and not model.training and model.weight.grad is None
+    for i, (ids, kwargs, training) in enumerate(model.calls):
+        assert ids.shape == (1, 2 if i < 4 else 5) and kwargs == {"fused_lm_head": True} and training
+        assert 0 <= int(ids.min()) and int(ids.max()) < 7
+        assert torch.equal(ids, model.calls[0 if i < 4 else 4][0])  # warm-up and repeats on one sequence
+    seeded = Recording()  # left in training mode: stays in it; one repeat: that run's time
+    durations = [9.0, 4.0]
+    assert time_lengths(seeded, [2], repeats=1, device="cpu") == [4.0] and seeded.training
+    assert seeded.calls[0][1] == {} and torch.equal(seeded.calls[0][0], model.calls[0][0])  # the same seed each call
+    failing = Recording(fail_at=2).eval()
+    durations = [1.0]
+    with pytest.raises(RuntimeError, match="^out of memory$"):
+        time_lengths(failing, [4], repeats=2)
+    assert not failing.training  # restored although a run failed
+    with pytest.raises(ValueError, match=r"^repeats must be >= 1, got 0$"):
+        time_lengths(model, [4], repeats=0)
+    with pytest.raises(ValueError, match=r"^calibration lengths must be >= 2 tokens$"):
+        time_lengths(model, [4, 1])
+
+
 def test_fit_microbatches_recovers_per_document_model():
     import numpy as np
 
