@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from odc_hf.prediction.workloads import WORKLOADS, generate_lengths
+from odc_hf.prediction.workloads import WORKLOADS, generate_lengths, qwen2_5_config
 
 N = 20_000
 
@@ -52,9 +52,33 @@ def test_tulu_is_short_chat():
 
 
 def test_bad_arguments_raise():
-    with pytest.raises(ValueError, match="unknown workload"):
+    with pytest.raises(ValueError, match=r"^unknown workload 'c4'; choose one of \('longalign', 'swe_smith', "):
         generate_lengths("c4", 10, 0)
-    with pytest.raises(ValueError, match="num_samples"):
-        generate_lengths("tulu", -1, 0)
-    with pytest.raises(ValueError, match="max_length"):
-        generate_lengths("tulu", 10, 0, max_length=0)
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match=rf"^num_samples must be a non-negative integer, got {bad}$"):
+            generate_lengths("tulu", bad, 0)
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match=rf"^max_length must be a positive integer, got {bad}$"):
+            generate_lengths("tulu", 10, 0, max_length=bad)
+    with pytest.raises(ValueError, match=r"^unknown Qwen2.5 size '3B'; choose one of \['1.5B', '14B', '32B', '7B'\]$"):
+        qwen2_5_config("3B")
+
+
+def test_caps_below_the_workloads_own_bounds():
+    """LongAlign clipped after its [8k, 64k] truncation (every sample at a cap below 8k); GRPO's response shortened so
+    prompt + response fit the cap, down to one response token when the prompt alone reaches it; an integral float
+    count and cap accepted."""
+    assert (generate_lengths("longalign", 50, seed=1, max_length=4096) == 4096).all()
+    short = generate_lengths("grpo_aime", 2000, seed=1, max_length=200)
+    assert short.max() == 200 and short.min() >= 101  # prompts of 100-300 tokens plus at least one response token
+    assert np.array_equal(generate_lengths("tulu", 5.0, seed=3, max_length=100.0), generate_lengths("tulu", 5, 3,
+                                                                                                     max_length=100))
+    wide = generate_lengths("grpo_aime", 2000, seed=1, max_length=1 << 20)  # no cap in reach: two lognormal modes
+    assert 3_000 < np.median(wide[wide < 6_000]) < 4_000 and 8_500 < np.median(wide[wide >= 6_000]) < 10_500
+
+
+def test_qwen2_5_shapes_are_the_published_ones():
+    config = qwen2_5_config("7B")
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.vocab_size) == (28, 3584, 28, 4, 18944, 152_064)  # fmt: skip
+    assert config.hidden_size // config.num_attention_heads == 128
