@@ -463,6 +463,38 @@ def test_calibration_under_autocast_sees_the_float32_residual_stream_and_the_wei
     assert two == activation_checkpointing.resident_bytes(full_precision, world_size=2, autocast=torch.bfloat16, **plan)
 
 
+def test_resident_bytes_follow_the_documented_fsdp2_layout_term_by_term():
+    """resident_bytes' docstring, counted from the model's named parameters (not from decoder_layers): the sharded
+    master weights, gradients of trainable ones only, optimizer states; under ODC the bf16 staging shard and the fp32
+    accumulator; unsharded, the embedding/head unit and its gradient plus two decoder layers in flight with their
+    gradient and fp32 reduce copy. Frozen parameters, float32 vs bf16 masters and 2 vs 4 ranks give different sums."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, use_cache=False)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    for name, p in model.named_parameters():  # a frozen base with trainable attention: trainable < total
+        p.requires_grad_("self_attn" in name)
+    named = dict(model.named_parameters())
+    total = sum(p.numel() for p in named.values())
+    trainable = sum(p.numel() for p in named.values() if p.requires_grad)
+    layer = sum(p.numel() for n, p in named.items() if n.startswith("model.layers.0."))
+    tail = sum(p.numel() for n, p in named.items() if not n.startswith("model.layers."))
+    assert 0 < trainable < total and tail == 2 * 96 * 32 + 32 and 3 * layer + tail == total
+    for master, world, odc, states in ((4, 2, True, 2), (4, 4, False, 2), (2, 2, True, 0)):
+        model.to(torch.float32 if master == 4 else torch.bfloat16)
+        static, fixed = activation_checkpointing.resident_bytes(model, world_size=world, compute_dtype=torch.bfloat16,
+                                                                odc=odc, optimizer_states=states)  # fmt: skip
+        want = (total * master + trainable * master + trainable * 4 * states) / world
+        if odc:
+            want += (total * 2 + trainable * 4) / world
+        assert static == pytest.approx(want, rel=1e-12), (master, world, odc, states)
+        assert fixed == 2 * tail * 2 + 2 * layer * (2 + 2 + 4)
+    static, fixed = activation_checkpointing.resident_bytes(model, world_size=1, compute_dtype=torch.bfloat16,
+                                                            odc=True, optimizer_states=2)  # fmt: skip
+    assert static == total * 2 + trainable * (2 + 8) and fixed == 0.0  # one process: no staging, nothing in flight
+
+
 def _tiny_moe(dtype=torch.float32):
     import transformers
 
