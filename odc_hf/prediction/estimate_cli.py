@@ -1,7 +1,7 @@
 """``python -m odc_hf.estimate``: will ODC pay off on YOUR data? Predicted step times before you rent GPUs.
 
-Give it your samples (a dataset plus a tokenizer, or a file of token counts), a model (a Qwen2.5 size or any
-dense decoder config), the cluster (GPUs per node, nodes, network) and the step (samples per GPU, token
+Give it your samples (a dataset plus a tokenizer, or a file of token counts), a model (a Qwen2.5 size or a
+causal LM's config), the cluster (GPUs per node, nodes, network) and the step (samples per GPU, token
 budget). It plans every step of one epoch the way the trainers do (LB-Mini for ODC, LB-Micro for FSDP2,
 balanced over all GPUs; transformers' ``batch_rebalance`` sampler for "what you have today") and prices it with
 the calibrated H200 cost model (:mod:`odc_hf.prediction.simulate`):

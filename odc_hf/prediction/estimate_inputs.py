@@ -74,7 +74,8 @@ def read_lengths_file(path: str | Path) -> np.ndarray:
 
 
 def model_shape(spec: str):
-    """A Qwen2.5 size (``1.5B``, ``7B``, ...) or a config path / hub name read with ``transformers.AutoConfig``."""
+    """A Qwen2.5 size (``1.5B``, ``7B``, ...) or a config path / hub name read with ``transformers.AutoConfig``, its
+    text model built on the meta device and measured (:func:`shape_of_model`)."""
     from .cluster import ModelShape
     from .workloads import qwen2_5_config
 
@@ -95,10 +96,61 @@ def model_shape(spec: str):
             f"({type(err).__name__}: {err})"
         ) from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:  # built on the meta device (no memory): exact counts for any family, experts at their active share
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return shape_of_model(AutoModelForCausalLM.from_config(text), name=spec)
+    except Exception as err:  # noqa: BLE001 - fall back to the dense-decoder formula, which may still apply
+        built = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"  # not its list of configs
     try:
         return ModelShape.from_config(text, name=spec)
     except ValueError as err:
-        raise EstimateError(f"--model {spec!r}: {err}") from None
+        raise EstimateError(f"--model {spec!r}: transformers could not build it as a causal LM ({built}); {err}") from None
+
+
+def shape_of_model(model, name: str | None = None):
+    """The :class:`~odc_hf.prediction.cluster.ModelShape` of a built causal LM (on the meta device: no memory, no
+    weights), exact for any family.
+
+    The FSDP units are the model's decoder layers (transformers' ``GradientCheckpointingLayer`` blocks, their mean size
+    when layers differ) and the root (everything else). N counts every 2-D weight outside embeddings (the LM head
+    included, tied or not) and stacked experts (3-D parameters) at the share of experts a token uses
+    (``num_experts_per_tok``), as the trainers' FLOP model reads a model; heads x head_dim come from the config.
+    """
+    import torch
+    from transformers import GradientCheckpointingLayer
+
+    from .cluster import ModelShape
+
+    text = model.config.get_text_config()
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no decoder layers (GradientCheckpointingLayer blocks)")
+    total = sum(p.numel() for p in model.parameters())
+    per_layer = sum(p.numel() for layer in layers for p in layer.parameters()) // len(layers)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    matmul = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):  # a lookup, no matmul
+            continue
+        for param in module.parameters(recurse=False):
+            if param.dim() == 2:
+                matmul += param.numel()
+            elif param.dim() == 3:  # stacked experts (experts, out, in)
+                share = min(1.0, top_k / param.shape[0]) if top_k else 1.0 / param.shape[0]
+                matmul += int(param.numel() * share)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return ModelShape(
+        name=name or getattr(text, "name_or_path", "") or type(model).__name__,
+        num_layers=len(layers),
+        layer_params=per_layer,
+        root_params=total - per_layer * len(layers),
+        num_matmul_params=matmul,
+        attn_dim=heads * head_dim,
+    )
 
 
 def load_rows(name: str, *, split: str, config_name: str | None):

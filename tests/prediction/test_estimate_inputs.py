@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from odc_hf.prediction.estimate_inputs import (
     EstimateError,
@@ -247,3 +248,55 @@ def test_a_hub_name_out_of_reach_is_refused_with_the_advice_for_hub_names():
     assert out.stdout.rstrip().endswith(
         "A hub name needs network access (or the hub cache); otherwise pass a local file or --lengths"
     )
+
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["starcoder2", "phi", "qwen3", "gemma2", "qwen3_moe"])
+def test_a_config_path_is_measured_on_the_built_model_of_any_family(family, tmp_path):
+    """``--model <config path>`` counts what the family's model holds: two-matrix MLPs (starcoder2, phi), q/k norms
+    (qwen3), four norms per layer and a tied head (gemma2), and experts (qwen3_moe: every expert in the FSDP units, the
+    FLOP model's N with the active share ``num_experts_per_tok / num_experts`` of them). The references are the real
+    model's parameters on the CPU; the dense-decoder formula the estimate used before (a Llama-style MLP, no extra
+    norms, experts ignored) is off on each of these families."""
+    import transformers
+
+    from odc_hf.prediction.cluster import ModelShape
+
+    extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32) if family == "qwen3_moe" else {}
+    config = transformers.AutoConfig.for_model(family, **SMALL, **extra)
+    config.save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = model_shape(str(tmp_path))
+    named = dict(model.named_parameters())
+    assert shape.num_params == sum(p.numel() for p in named.values())
+    assert shape.num_layers == 2
+    assert shape.layer_params == sum(p.numel() for n, p in named.items() if n.startswith("model.layers.0."))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    # qwen3_moe: per layer the router (8 experts x 64) and the 2 experts a token uses, 3 matrices of 32 x 64 each
+    active = 2 * (8 * 64 + 2 * 3 * 32 * 64) if family == "qwen3_moe" else 0
+    assert shape.num_matmul_params == linear + active
+    assert shape.attn_dim == 4 * (getattr(config, "head_dim", None) or 16)
+    formula = ModelShape.from_config(config)
+    assert (formula.num_params, formula.num_matmul_params) != (shape.num_params, shape.num_matmul_params)
+
+
+def test_a_config_no_causal_lm_is_built_from_falls_back_to_the_formula_or_is_refused(tmp_path):
+    """A config transformers builds no causal LM from: the dense-decoder formula when its attributes are there,
+    otherwise a refusal naming both reasons."""
+    import transformers
+
+    from odc_hf.prediction.cluster import ModelShape
+
+    t5 = transformers.T5Config(vocab_size=128, d_model=64, num_layers=2, num_heads=4)
+    t5.save_pretrained(tmp_path / "t5")
+    with pytest.raises(EstimateError, match=rf"^--model '{tmp_path / 't5'}': transformers could not build it as a "
+                                            r"causal LM \(ValueError: Unrecognized configuration class [^\n]*\); config T5Config lacks "
+                                            r"\['intermediate_size'\]: not a dense decoder config"):  # fmt: skip
+        model_shape(str(tmp_path / "t5"))
+    for name, value in SMALL.items():  # the dense attributes on a config of no causal LM: the formula applies
+        setattr(t5, name, value)
+    t5.save_pretrained(tmp_path / "dense")
+    assert model_shape(str(tmp_path / "dense")) == ModelShape.from_config(t5, name=str(tmp_path / "dense"))
