@@ -300,3 +300,26 @@ def test_a_config_no_causal_lm_is_built_from_falls_back_to_the_formula_or_is_ref
         setattr(t5, name, value)
     t5.save_pretrained(tmp_path / "dense")
     assert model_shape(str(tmp_path / "dense")) == ModelShape.from_config(t5, name=str(tmp_path / "dense"))
+
+
+def test_the_estimate_reads_a_model_as_the_trainers_flop_model_does():
+    """The estimate's FLOP terms and the cost model the trainers plan with (``ODCConfig.cost_model="flop"``) read a
+    model by the same rule: the same N, depth and attention width on dense, two-matrix-MLP, Conv1D and expert models
+    (stacked experts with and without a router of their own), so the two cannot drift apart."""
+    import transformers
+
+    from odc_hf.integrations.compute.cost_model import flop_cost_model
+    from odc_hf.prediction.estimate_inputs import shape_of_model
+
+    configs = [transformers.AutoConfig.for_model(family, **SMALL, **extra) for family, extra in (
+        ("llama", {}), ("starcoder2", {}), ("qwen3", {}), ("gemma2", {}),
+        ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
+        ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+        ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=1)),
+    )] + [transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=3, n_head=4)]  # fmt: skip
+    for config in configs:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        trainers, estimate = flop_cost_model(model), shape_of_model(model)
+        assert (trainers.num_matmul_params, trainers.num_layers, trainers.attn_dim) == (
+            estimate.num_matmul_params, estimate.num_layers, estimate.attn_dim), config.model_type  # fmt: skip
