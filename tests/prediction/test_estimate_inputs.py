@@ -2,9 +2,6 @@
 the column it counts, the tokenizer's counts, and the model's shape; every refusal by its words."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -100,6 +97,9 @@ def test_dataset_lengths_count_what_training_tokenizes(tmp_path):
     saved = tmp_path / "saved"
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(saved))
     assert dataset_lengths(str(saved), tokenizer="default", column=None).tolist() == want
+    table = tmp_path / "rows.parquet"  # a binary data file: read, never taken for an empty text file
+    datasets.Dataset.from_dict({"text": texts}).to_parquet(str(table))
+    assert dataset_lengths(str(table), tokenizer="default", column=None).tolist() == want
     folder = tmp_path / "folder"
     folder.mkdir()
     (folder / "train.jsonl").write_text(path.read_text())
@@ -122,7 +122,8 @@ def test_dataset_refusals_by_their_words(tmp_path):
     numbers.write_text('{"text": 5}\n{"text": 6}\n')
     with pytest.raises(EstimateError, match=r"^row 0\+ of column 'text' holds int, not text or chat messages$"):
         dataset_lengths(str(numbers), tokenizer="default", column="text")
-    with pytest.raises(EstimateError, match=r"^--tokenizer '/nonexistent/tok' could not be loaded \("):
+    with pytest.raises(EstimateError, match=r"^--tokenizer '/nonexistent/tok' could not be loaded \(OSError: .*\); pass a "
+                                            r"path, a hub name, or 'default' for odc_hf's offline tokenizer$"):  # fmt: skip
         dataset_lengths(str(numbers), tokenizer="/nonexistent/tok", column="text")
 
 
@@ -169,13 +170,16 @@ def test_model_shapes_from_presets_and_config_paths(tmp_path):
     tied, untied = model_shape("1.5B"), model_shape("7B")
     assert tied.name == "Qwen2.5-1.5B" and tied.num_params == 1_543_714_304
     assert untied.name == "Qwen2.5-7B" and untied.num_params == 7_615_616_512
-    with pytest.raises(EstimateError, match=r"^--model '3B': not a preset; the presets are "):
-        model_shape("3B")
+    for size in ("3B", "3b", "0.5B"):  # a size, not a preset: refused without asking the hub
+        with pytest.raises(EstimateError, match=rf"^--model '{size}': not a preset; the presets are 1\.5B, 7B, 14B, 32B "
+                                                r"\(Qwen2\.5 sizes\), otherwise pass a config path or hub name$"):  # fmt: skip
+            model_shape(size)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=101)  # fmt: skip
     config.save_pretrained(tmp_path / "llama")
     assert model_shape(str(tmp_path / "llama")) == ModelShape.from_config(config, name=str(tmp_path / "llama"))
-    with pytest.raises(EstimateError, match=r"AutoConfig could not load it \("):
+    with pytest.raises(EstimateError, match=rf"^--model '{tmp_path / 'nothing'}': not a preset \(1\.5B, 7B, 14B, 32B\) "
+                                            r"and AutoConfig could not load it \(OSError: "):  # fmt: skip
         model_shape(str(tmp_path / "nothing"))
 
 
@@ -235,18 +239,26 @@ def test_a_multimodal_config_is_read_through_its_text_model(tmp_path):
     assert shape == ModelShape.from_config(config.get_text_config(), name=str(tmp_path / "llava"))
 
 
-def test_a_hub_name_out_of_reach_is_refused_with_the_advice_for_hub_names():
-    """A dataset name that is no local path and cannot be fetched (offline here, so no retries) gets the hub advice,
-    not the local-file one."""
-    code = ("from odc_hf.prediction.estimate_inputs import EstimateError, load_rows\n"
-            "try:\n    load_rows('no-such-owner/no-such-dataset', split='train', config_name=None)\n"
-            "except EstimateError as err:\n    print(err)\n")  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("--dataset 'no-such-owner/no-such-dataset' (split 'train') could not be loaded: ")
-    assert out.stdout.rstrip().endswith(
-        "A hub name needs network access (or the hub cache); otherwise pass a local file or --lengths"
+def test_a_hub_name_is_loaded_with_its_config_and_split_and_refused_with_hub_advice_when_out_of_reach(monkeypatch):
+    """A dataset name that is no local path goes to ``datasets.load_dataset`` with its config name and split; when the
+    hub cannot be reached (here a stand-in for ``load_dataset`` that fails as it does offline) the refusal gives the
+    advice for hub names, not the local-file one."""
+    import datasets
+
+    calls = []
+
+    def unreachable(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise ConnectionError("Couldn't reach 'owner/name' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(EstimateError) as caught:
+        dataset_lengths("owner/name", tokenizer="default", column=None, split="test", config_name="small")
+    assert calls == [(("owner/name", "small"), {"split": "test"})]
+    assert str(caught.value) == (
+        "--dataset 'owner/name' (split 'test') could not be loaded: ConnectionError: Couldn't reach 'owner/name' on "
+        "the Hub (LocalEntryNotFoundError). A hub name needs network access (or the hub cache); otherwise pass a "
+        "local file or --lengths"
     )
 
 
