@@ -103,7 +103,7 @@ def model_shape(spec: str):
         with torch.device("meta"):
             return shape_of_model(AutoModelForCausalLM.from_config(text), name=spec)
     except Exception as err:  # noqa: BLE001 - fall back to the dense-decoder formula, which may still apply
-        built = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"  # not its list of configs
+        built = f"{type(err).__name__}: {str(err).partition(chr(10))[0]}"  # its first line, not its list of configs
     try:
         return ModelShape.from_config(text, name=spec)
     except ValueError as err:

@@ -335,3 +335,52 @@ def test_the_estimate_reads_a_model_as_the_trainers_flop_model_does():
         trainers, estimate = flop_cost_model(model), shape_of_model(model)
         assert (trainers.num_matmul_params, trainers.num_layers, trainers.attn_dim) == (
             estimate.num_matmul_params, estimate.num_layers, estimate.attn_dim), config.model_type  # fmt: skip
+
+
+def test_shape_of_model_by_its_rule_on_a_model_built_by_hand():
+    """Decoder layers of different sizes (the mean per layer, floored, the rest in the root, so the total is exact),
+    embeddings left out of N and the head in, stacked experts at ``num_experts_per_tok`` of them (capped at all of
+    them) or at one expert when the config names no count, head_dim from the config or hidden / heads, the name
+    given, else the config's path, else the class; a model without decoder layers is refused."""
+    from transformers import GradientCheckpointingLayer
+
+    from odc_hf.prediction.estimate_inputs import shape_of_model
+
+    class Block(GradientCheckpointingLayer):
+        def __init__(self, width, extra):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, width, bias=False)
+            self.norm = torch.nn.Parameter(torch.ones(8 + extra))
+            self.experts = torch.nn.Parameter(torch.zeros(4, 6, 8))  # 4 experts of 6 x 8
+
+    class Config:
+        num_attention_heads, hidden_size = 2, 8  # no name_or_path: a config built in code may have none
+
+        def get_text_config(self):
+            return self
+
+    class Hand(torch.nn.Module):
+        def __init__(self, config, blocks):
+            super().__init__()
+            self.config, self.embed = config, torch.nn.Embedding(10, 8)
+            self.layers = torch.nn.ModuleList(blocks)
+            self.head = torch.nn.Linear(8, 10, bias=False)
+
+    config = Config()
+    model = Hand(config, [Block(3, 0), Block(4, 1)])
+    layers = [8 * 3 + 8 + 192, 8 * 4 + 9 + 192]  # 224 and 233: 457 in all, 228 per layer floored
+    shape = shape_of_model(model)
+    assert (shape.name, shape.num_layers, shape.layer_params, shape.root_params) == ("Hand", 2, 228, 80 + 80 + 1)
+    assert shape.num_params == sum(layers) + 160 and type(shape.layer_params) is int
+    assert shape.num_matmul_params == 8 * 3 + 8 * 4 + 80 + 2 * 192 // 4  # no expert count: one expert of four
+    assert shape.attn_dim == 8 and type(shape.attn_dim) is int  # hidden 8 / 2 heads = head_dim 4
+    config.name_or_path = ""
+    assert shape_of_model(model).name == "Hand"
+    for top_k, active in ((2, 96), (8, 192)):  # 2 of 4 experts; more than there are: all of them
+        config.num_experts_per_tok = top_k
+        assert shape_of_model(model).num_matmul_params == 8 * 3 + 8 * 4 + 80 + 2 * active
+    config.head_dim, config.name_or_path = 3, "org/hand"
+    assert shape_of_model(model).attn_dim == 6 and shape_of_model(model).name == "org/hand"
+    assert shape_of_model(model, name="mine").name == "mine"
+    with pytest.raises(ValueError, match=r"^Hand has no decoder layers \(GradientCheckpointingLayer blocks\)$"):
+        shape_of_model(Hand(config, []))
