@@ -199,8 +199,14 @@ def test_calibrate_times_a_tiny_model_on_cpu(one_torch_thread, monkeypatch):
     assert all(p.grad is None for p in model.parameters())
     # CPU timings differ from call to call: what calibrate returns is checked as the fit of the timings it measured
     # (the timings replaced by the ones above), not against fixed numbers.
-    monkeypatch.setattr(odc_hf.prediction.calibrate, "time_lengths", lambda *args, **kwargs: seconds)
-    assert calibrate(model, lengths, repeats=1).to_dict() == QuadraticCostModel.fit(lengths, seconds).to_dict()
+    calls = []
+    monkeypatch.setattr(odc_hf.prediction.calibrate, "time_lengths",
+                        lambda *args, **kwargs: calls.append((args, kwargs)) or seconds)  # fmt: skip
+    fitted = calibrate(model, lengths, repeats=1, device="cpu", forward_kwargs={"fused_lm_head": True})
+    assert fitted.to_dict() == QuadraticCostModel.fit(lengths, seconds).to_dict()
+    assert calls == [((model, lengths), dict(repeats=1, device="cpu", forward_kwargs={"fused_lm_head": True}))]
+    calibrate(model, lengths)
+    assert calls[1] == ((model, lengths), dict(repeats=3, device=None, forward_kwargs=None))  # the defaults
 
 
 def test_time_lengths_keeps_the_median_of_the_timed_runs_after_one_warm_up(monkeypatch):
@@ -246,6 +252,8 @@ def test_time_lengths_keeps_the_median_of_the_timed_runs_after_one_warm_up(monke
         assert ids.shape == (1, 2 if i < 4 else 5) and kwargs == {"fused_lm_head": True} and training
         assert 0 <= int(ids.min()) and int(ids.max()) < 7
         assert torch.equal(ids, model.calls[0 if i < 4 else 4][0])  # warm-up and repeats on one sequence
+    durations = [0.0, 5.0, 7.0, 6.0]
+    assert time_lengths(Recording(), [3]) == [6.0] and not durations  # three repeats by default
     seeded = Recording()  # left in training mode: stays in it; one repeat: that run's time
     durations = [9.0, 4.0]
     assert time_lengths(seeded, [2], repeats=1, device="cpu") == [4.0] and seeded.training

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from odc_hf.prediction.workloads import WORKLOADS, generate_lengths, qwen2_5_config
+from odc_hf.prediction.workloads import GRPO_SIGMA, WORKLOADS, generate_lengths, qwen2_5_config
 
 N = 20_000
 
@@ -21,8 +21,10 @@ def test_generators_are_seeded_integer_and_within_the_cap(name):
 
 
 def test_longalign_is_a_truncated_lognormal_around_17k():
-    lengths = generate_lengths("longalign", N, seed=0)
-    assert lengths.min() >= 8192 and lengths.max() <= 65536
+    lengths = generate_lengths("longalign", N, seed=0, max_length=1 << 20)  # a cap above its own bound
+    # truncated at [8k, 64k] by redrawing, not by the cap: ~4% of the samples fall within 1k of the lower bound and
+    # ~0.35% would exceed the upper one
+    assert 8192 <= lengths.min() < 8300 and 60_000 < lengths.max() <= 65536
     # truncating the lower tail at 8k lifts the median a little above 17k
     assert 17_000 <= np.median(lengths) <= 18_500
     assert 17_000 <= lengths.mean() <= 21_000
@@ -69,12 +71,16 @@ def test_caps_below_the_workloads_own_bounds():
     prompt + response fit the cap, down to one response token when the prompt alone reaches it; an integral float
     count and cap accepted."""
     assert (generate_lengths("longalign", 50, seed=1, max_length=4096) == 4096).all()
+    assert (generate_lengths("tulu", 50, seed=1, max_length=1) == 1).all()  # the smallest cap: one token each
     short = generate_lengths("grpo_aime", 2000, seed=1, max_length=200)
     assert short.max() == 200 and short.min() >= 101  # prompts of 100-300 tokens plus at least one response token
     assert np.array_equal(generate_lengths("tulu", 5.0, seed=3, max_length=100.0), generate_lengths("tulu", 5, 3,
                                                                                                      max_length=100))
-    wide = generate_lengths("grpo_aime", 2000, seed=1, max_length=1 << 20)  # no cap in reach: two lognormal modes
+    wide = generate_lengths("grpo_aime", 200_000, seed=1, max_length=1 << 22)  # no cap in reach: two lognormal modes
     assert 3_000 < np.median(wide[wide < 6_000]) < 4_000 and 8_500 < np.median(wide[wide >= 6_000]) < 10_500
+    # the mean: prompts U[100, 300] (200) + 30% x 3k + 70% x 9k lognormal medians x exp(sigma^2 / 2); standard error
+    # 12.5 tokens, prompts drawn from [0, 100) instead would move it by 150
+    assert wide.mean() == pytest.approx(200 + np.exp(GRPO_SIGMA**2 / 2) * (0.3 * 3000 + 0.7 * 9000), abs=60)
 
 
 def test_qwen2_5_shapes_are_the_published_ones():
