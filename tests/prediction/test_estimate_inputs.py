@@ -88,6 +88,8 @@ def test_dataset_lengths_count_what_training_tokenizes(tmp_path):
     assert dataset_lengths(str(path), tokenizer="default", column="text").tolist() == want
     assert dataset_lengths(str(path), tokenizer="default", column="prompt+completion").tolist() == want
     assert dataset_lengths(str(path), tokenizer="default", column=None).tolist() == [2, 3, 4]  # input_ids first
+    for column in (None, "text"):  # token counts, as integers, whichever way they are counted
+        assert dataset_lengths(str(path), tokenizer="default", column=column).dtype == np.int64
     assert dataset_lengths(str(path), tokenizer="default", column="text", max_samples=2).tolist() == want[:2]
     chats = [[{"role": "user", "content": t}, {"role": "assistant", "content": "ok"}] for t in texts]
     conv = tmp_path / "chat.jsonl"
@@ -155,6 +157,14 @@ def test_a_dataset_without_rows_and_chats_the_tokenizer_cannot_template_are_refu
     with pytest.raises(EstimateError, match=r"^row 0\+ of column 'messages' holds chat messages but the tokenizer has "
                                             r"no chat template$"):  # fmt: skip
         dataset_lengths(str(chats), tokenizer=str(tmp_path / "plain"), column=None)
+    rows = tmp_path / "rows.jsonl"  # a tokenizer without an end-of-sequence token: nothing appended to the text
+    rows.write_text(json.dumps({"text": "hello world"}) + "\n")
+    eos = tok.eos_token
+    tok.eos_token = None
+    tok.save_pretrained(str(tmp_path / "no_eos"))
+    assert dataset_lengths(str(rows), tokenizer=str(tmp_path / "no_eos"), column=None).tolist() == [
+        len(tok("hello world")["input_ids"])]  # fmt: skip
+    assert len(tok("hello world")["input_ids"]) < len(tok("hello world" + eos)["input_ids"])
     tok.chat_template = "{{ raise_exception('no roles here') }}"
     tok.save_pretrained(str(tmp_path / "raising"))
     with pytest.raises(EstimateError, match=r"^row 0\+ of column 'messages': the chat template failed "
