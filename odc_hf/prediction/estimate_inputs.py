@@ -182,7 +182,8 @@ def load_rows(name: str, *, split: str, config_name: str | None):
         if path.exists():  # a local file or folder: hub advice would mislead
             raise EstimateError(
                 f"--dataset {name!r} (split {split!r}) could not be read: {type(err).__name__}: {err}. "
-                "datasets reads an empty file or a dataset saved with no rows this way; it needs at least one row"
+                "A local file or folder: if it holds no rows (an empty JSON list, a dataset saved empty), give it "
+                "at least one; otherwise mend what datasets names"
             ) from None
         raise EstimateError(
             f"--dataset {name!r} (split {split!r}) could not be loaded: {type(err).__name__}: {err}. "

@@ -146,7 +146,9 @@ def test_a_dataset_without_rows_and_chats_the_tokenizer_cannot_template_are_refu
     listed.write_text("[]")
     for local in (unsaved, listed):
         with pytest.raises(EstimateError, match=rf"^--dataset '{local}' \(split 'train'\) could not be read: \w+Error: "
-                                                r".*; it needs at least one row$") as caught:  # fmt: skip
+                                                r".*\. A local file or folder: if it holds no rows \(an empty "
+                                                r"JSON list, a dataset saved empty\), give it at least one; otherwise "
+                                                r"mend what datasets names$") as caught:  # fmt: skip
             dataset_lengths(str(local), tokenizer="default", column=None)
         assert "hub" not in str(caught.value)  # a local path: no advice about network access
     chats = tmp_path / "chat.jsonl"
