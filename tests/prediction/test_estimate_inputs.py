@@ -276,6 +276,7 @@ def test_a_hub_name_is_loaded_with_its_config_and_split_and_refused_with_hub_adv
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)  # fmt: skip
+EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)  # qwen3_moe: 2 of 8 experts
 
 
 @pytest.mark.parametrize("family", ["starcoder2", "phi", "qwen3", "gemma2", "qwen3_moe"])
@@ -289,7 +290,7 @@ def test_a_config_path_is_measured_on_the_built_model_of_any_family(family, tmp_
 
     from odc_hf.prediction.cluster import ModelShape
 
-    extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32) if family == "qwen3_moe" else {}
+    extra = EXPERTS if family == "qwen3_moe" else {}
     config = transformers.AutoConfig.for_model(family, **SMALL, **extra)
     config.save_pretrained(tmp_path)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -337,7 +338,7 @@ def test_the_estimate_reads_a_model_as_the_trainers_flop_model_does():
 
     configs = [transformers.AutoConfig.for_model(family, **SMALL, **extra) for family, extra in (
         ("llama", {}), ("starcoder2", {}), ("qwen3", {}), ("gemma2", {}),
-        ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
+        ("qwen3_moe", EXPERTS),
         ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
         ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=1)),
     )] + [transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=3, n_head=4)]  # fmt: skip
