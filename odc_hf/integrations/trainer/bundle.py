@@ -81,8 +81,8 @@ class BundleCollator:
         truncate: cut every document to ``max_tokens_per_microbatch`` tokens (pairs with the sampler's
             ``truncate=True``).
         pad_token_id: token of dummy microbatches (never trained on).
-        mask_keys: which 0/1 columns mask labels (default both of ``MASK_KEYS``; TRL's trainer passes the ones
-            its ``completion_only_loss`` / ``assistant_only_loss`` settings enable).
+        mask_keys: which 0/1 columns mask labels (default both of ``MASK_KEYS``; TRL's SFT trainer passes none: it
+            folds the masks its settings enable into ``labels`` while preparing the dataset).
     """
 
     def __init__(

@@ -143,5 +143,6 @@ def warn_no_label_tokens(step: int, mask_keys: tuple[str, ...]) -> None:
     logger.warning(
         "odc_hf: step %d has no label tokens in its whole minibatch (every rank): its loss is 0.0 and it trains "
         "nothing. Check the data: empty texts, or every target masked%s", step,
-        f" by {', '.join(mask_keys)} (completion_only_loss / assistant_only_loss)" if mask_keys else "",
+        f" by {' or '.join(mask_keys)}" if mask_keys
+        else " (labels of -100, as TRL's completion_only_loss / assistant_only_loss set them)",
     )  # fmt: skip

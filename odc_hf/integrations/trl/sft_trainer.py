@@ -62,12 +62,11 @@ class _SFTPart:
         return True
 
     def odc_mask_keys(self) -> tuple[str, ...]:
-        keys = []
-        if getattr(self.args, "completion_only_loss", None) is not False:
-            keys.append("completion_mask")
-        if getattr(self.args, "assistant_only_loss", False):
-            keys.append("assistant_masks")
-        return tuple(keys)
+        # TRL folds the masks its settings enable into ``labels`` while preparing the dataset (and refuses a dataset
+        # whose preparation is skipped that has masks but no labels); its collator then reads ``labels`` only. So
+        # does odc_hf's: a mask column TRL left in place (``completion_only_loss`` off, or a dataset that came with
+        # labels) is not for training.
+        return ()
 
     def odc_before_bundle(self):
         metrics = logged_metrics(self)
