@@ -154,6 +154,12 @@ class ODCHandle:
                 if self.replicas is not None:  # the other nodes cannot see this node's control block
                     self.replicas.announce(str(err))
                 raise
+        # A forward without backward (an evaluation, a generation) leaves the units that do not reshard after forward
+        # (the root) gathered, their modules showing the unsharded parameters; on a rank that trained no microbatch
+        # since, no backward resharded them. The gradients below go to the sharded parameters, which the clip and
+        # the optimizer must see through the modules: reshard (a no-op for a unit already sharded).
+        for unit in self.units:
+            unit.module.reshard()
         trainable = [u for u in self.units if not u.spec.gather_only]
         accumulators = [self._accumulator(u) for u in trainable]
         if self.replicas is not None:

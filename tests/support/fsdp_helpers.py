@@ -121,14 +121,16 @@ STARTED: dict[int, float] = {}
 
 def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", *, start=0, save_after=None,
                     load_from=None, checkpoint_dir=None, max_norm=1.0, fail_rank=None, fail_mode="raise",
-                    mesh_shape=None, timeout_s=30, tie=True, deterministic=False, delays=None):  # fmt: skip
+                    mesh_shape=None, timeout_s=30, tie=True, deterministic=False, delays=None,
+                    evaluate=False):  # fmt: skip
     """FSDP2 on the tiny Qwen2 with ``mode`` "odc" (uneven microbatch counts) or "fsdp" (collectives; counts
     padded to the max with zero-weighted microbatches). Returns rank 0's record of grads/norms/params (and, under
     ODC, ``odc``: the handle's one-line description, transport and accumulation mode included).
 
     ``mesh_shape=(R, S)``: HSDP on a ``(replicate, shard)`` mesh (FSDP2's own all-reduce per microbatch in
     "fsdp" mode). ``fail_rank`` raises (``fail_mode="raise"``) or dies (``"die"``) in minibatch 1. ``delays``: seconds
-    each rank waits before its microbatches of every minibatch (ranks' pushes forced into an order)."""
+    each rank waits before its microbatches of every minibatch (ranks' pushes forced into an order). ``evaluate``: every
+    rank runs one forward without gradients (an evaluation) before each minibatch."""
     import os
     import time
 
@@ -175,6 +177,11 @@ def distributed_run(rank, world_size, counts, minibatches, mode, policy="fp32", 
             # slower ranks may still be in: a rank dying inside one of those fails its peers through that
             # collective's own error. So everyone leaves minibatch 0 first.
             dist.barrier()
+        if evaluate:  # FSDP2 leaves the units that do not reshard after forward (the root) gathered afterwards
+            with torch.no_grad():
+                model.eval()
+                loss_sum(model, microbatch(m, 0))
+                model.train()
         STARTED[m] = time.monotonic()
         if delays is not None:
             time.sleep(delays[rank])

@@ -31,6 +31,7 @@ BUDGET = 1024  # tokens per packed microbatch; also TRL's max_length
 MAX_LENGTH = 768  # tokens per sample
 NUM_SAMPLES = 64  # 8 steps per epoch: every run stays in epoch 0
 SEED = 0
+EVAL_SAMPLES = 12  # 6 evaluation batches of 2: 3 a rank on 2 ranks, none dropped by dataloader_drop_last
 
 
 def dataset(tokenizer):
@@ -40,6 +41,22 @@ def dataset(tokenizer):
     from odc_hf.testing.data import default_tokenized_dataset
 
     return default_tokenized_dataset(tokenizer, NUM_SAMPLES, max_length=MAX_LENGTH, seed=SEED)
+
+
+def eval_dataset(tokenizer):
+    """Held-out text for ``--eval_steps``: other documents of the same corpus (of many lengths: padded batches)."""
+    from odc_hf.testing.data import default_tokenized_dataset
+
+    return default_tokenized_dataset(tokenizer, EVAL_SAMPLES, max_length=MAX_LENGTH, seed=SEED + 1)
+
+
+def evaluation(tokenizer, eval_steps: int) -> tuple[dict, dict]:
+    """Training arguments and trainer arguments that evaluate every ``eval_steps`` steps (none for 0)."""
+    if not eval_steps:
+        return {}, {}
+    return ({"eval_strategy": "steps", "eval_steps": eval_steps, "per_device_eval_batch_size": 2,
+             "eval_on_start": True},
+            {"eval_dataset": eval_dataset(tokenizer)})
 
 
 def minibatch_order(num_samples: int, steps: int = MAX_STEPS) -> list[int]:
@@ -118,7 +135,7 @@ def step_gaps_callback():
 
 
 def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: str | None,
-            slow_plan_s: float = 0.0, plan_ahead: int = 0) -> dict:  # fmt: skip
+            slow_plan_s: float = 0.0, plan_ahead: int = 0, eval_steps: int = 0) -> dict:  # fmt: skip
     import os
 
     from odc_hf import ODCConfig, ODCSFTTrainer
@@ -138,16 +155,17 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
         trainer_cls = type("SlowPlanODCSFTTrainer", (trainer_cls,),
                            {"odc_sampler_class": slow_planner(trainer_cls.odc_sampler_class, slow_plan_s)})  # fmt: skip
     saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
-    args = sft_config(out, per_device_train_batch_size=MINIBATCH // world, **saving)
-    trainer = trainer_cls(model=model, args=args, train_dataset=dataset(tokenizer),
+    evaluating, eval_data = evaluation(tokenizer, eval_steps)
+    args = sft_config(out, per_device_train_batch_size=MINIBATCH // world, **saving, **evaluating)
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset(tokenizer), **eval_data,
                           processing_class=tokenizer,
-                          odc_config=ODCConfig(balance="lb_mini", max_tokens_per_microbatch=BUDGET, timeout_s=300,
+                          odc_config=ODCConfig(balance="lb_mini", max_tokens_per_microbatch=BUDGET, timeout_s=30,
                                                plan_ahead=plan_ahead))  # fmt: skip
     gaps = step_gaps_callback()
     trainer.add_callback(gaps)
     trainer.train(resume_from_checkpoint=resume)
     mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)  # fully_shard's (HSDP: 2-D)
-    result = {"history": trainer_history(trainer), "microbatches": [s.microbatches for s in trainer.odc_stats.steps],
+    result = {"history": trainer_history(trainer), "evaluations": trainer_evaluations(trainer), "microbatches": [s.microbatches for s in trainer.odc_stats.steps],
               "odc": trainer.odc is not None, "world": trainer.accelerator.num_processes, "step_gaps_s": gaps.gaps,
               "step_s": [s.step_s for s in trainer.odc_stats.steps],
               "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}}  # fmt: skip
@@ -156,7 +174,7 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
     return result
 
 
-def run_trl(out: Path, *, save_steps: int) -> dict:
+def run_trl(out: Path, *, save_steps: int, eval_steps: int = 0) -> dict:
     from trl import SFTTrainer
 
     from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
@@ -167,16 +185,23 @@ def run_trl(out: Path, *, save_steps: int) -> dict:
     data = dataset(tokenizer)
     data = data.select(minibatch_order(len(data)))  # TRL reads it in order, one whole minibatch per step
     saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
-    args = sft_config(out, train_sampling_strategy="sequential", use_cpu=True, **saving)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    evaluating, eval_data = evaluation(tokenizer, eval_steps)
+    args = sft_config(out, train_sampling_strategy="sequential", use_cpu=True, **saving, **evaluating)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, **eval_data)
     assert trainer.accelerator.num_processes == 1
     trainer.train()
-    return {"history": trainer_history(trainer)}
+    return {"history": trainer_history(trainer), "evaluations": trainer_evaluations(trainer)}
 
 
 def trainer_history(trainer) -> list[dict]:
     return [{"step": h["step"], "loss": h["loss"], "grad_norm": h["grad_norm"]}
             for h in trainer.state.log_history if "loss" in h]  # fmt: skip
+
+
+def trainer_evaluations(trainer) -> list[dict]:
+    """The Trainer's evaluation logs: step, loss and TRL's token accuracy."""
+    return [{"step": h["step"], "loss": h["eval_loss"], "mean_token_accuracy": h["eval_mean_token_accuracy"]}
+            for h in trainer.state.log_history if "eval_loss" in h]  # fmt: skip
 
 
 def main(argv=None) -> None:
@@ -185,6 +210,7 @@ def main(argv=None) -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--zero_rank_first_step", action="store_true")
     p.add_argument("--save_steps", type=int, default=0)
+    p.add_argument("--eval_steps", type=int, default=0, help="evaluate on held-out text every this many steps")
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--then_resume_from", type=int, default=0, help="then resume a fresh trainer from this step")
     p.add_argument("--slow_plan_s", type=float, default=0.0,
@@ -198,9 +224,9 @@ def main(argv=None) -> None:
         return
     if args.trainer == "odc":
         result = run_odc(args.out, zero_rank_first_step=args.zero_rank_first_step, save_steps=args.save_steps,
-                         resume=args.resume_from_checkpoint)  # fmt: skip
+                         resume=args.resume_from_checkpoint, eval_steps=args.eval_steps)  # fmt: skip
     else:
-        result = run_trl(args.out, save_steps=args.save_steps)
+        result = run_trl(args.out, save_steps=args.save_steps, eval_steps=args.eval_steps)
     _write(args.out, result)
     if args.then_resume_from:
         resumed = run_odc(args.out / "resumed", zero_rank_first_step=False, save_steps=0,

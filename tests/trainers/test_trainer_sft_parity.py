@@ -1,8 +1,8 @@
 """ODCSFTTrainer (2 CPU processes as `accelerate launch` starts them, forked: tests/support/launched.py, ODC, LB-Mini,
-uneven microbatch counts, and a rank that starts training with ZERO microbatches) gives the per-step losses and
-gradient norms of TRL's own SFTTrainer run in one process on each whole minibatch: an independent reference (TRL's
-padded batches, transformers' sdpa and its own loss normalisation; no ODC code, no distribution). The run's timing
-files hold what the steps did."""
+uneven microbatch counts, and a rank that starts training with ZERO microbatches) gives the per-step losses, gradient
+norms and evaluation losses of TRL's own SFTTrainer run in one process on each whole minibatch: an independent
+reference (TRL's padded batches, transformers' sdpa and its own loss normalisation; no ODC code, no distribution). The
+run's timing files hold what the steps did."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from odc_hf.balance import QuadraticCostModel
 
 @pytest.mark.slow
 def test_odc_sft_trainer_matches_trl_sft_trainer_on_whole_minibatches(tmp_path):
-    odc = odc_run(tmp_path / "odc", "--zero_rank_first_step")
-    trl = trl_reference(tmp_path / "trl")
+    odc = odc_run(tmp_path / "odc", "--zero_rank_first_step", "--eval_steps", "3")
+    trl = trl_reference(tmp_path / "trl", "--eval_steps", "3")
     assert odc["odc"] and odc["world"] == 2
     counts = odc["microbatches"]
     assert len(counts) == len(trl["history"]) == sft_runs.MAX_STEPS
@@ -28,6 +28,14 @@ def test_odc_sft_trainer_matches_trl_sft_trainer_on_whole_minibatches(tmp_path):
     assert_same_steps(odc["history"], trl["history"], range(1, sft_runs.MAX_STEPS + 1))
     losses = [h["loss"] for h in trl["history"]]
     assert losses[-1] < losses[0] - 0.1  # it learns: a comparison of untrained, flat losses would prove little
+    # Evaluation on held-out text before training (eval_on_start), then every 3 steps: the losses of TRL's padded
+    # evaluation batches (the same 2-sample batches in either run: accelerate deals whole batches to the ranks). The
+    # first evaluation is followed by a step in which the last rank trains nothing: it used to deadlock in the clip.
+    # (TRL's eval token accuracy is not compared: it averages one value per gather, over 2 ranks' batches at once.)
+    assert [e["step"] for e in odc["evaluations"]] == [e["step"] for e in trl["evaluations"]] == [0, 3, 6]
+    for ours, theirs in zip(odc["evaluations"], trl["evaluations"]):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=sft_runs.LOSS_RTOL), (ours, theirs)
+    assert trl["evaluations"][-1]["loss"] < trl["evaluations"][0]["loss"] - 0.1
 
     out = tmp_path / "odc"
     assert (out / "odc_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

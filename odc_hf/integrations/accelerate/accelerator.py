@@ -167,10 +167,8 @@ class ODCAccelerator(Accelerator):
 
 
 def _belongs_to(model: torch.nn.Module, parameters: list) -> bool:
-    ids = getattr(model, "_odc_param_ids", None)
-    if ids is None:
-        ids = frozenset(id(p) for p in model.parameters())
-        model._odc_param_ids = ids
+    # read anew each time: FSDP2 registers other parameter objects on a module while it is gathered
+    ids = {id(p) for p in model.parameters()}
     return all(id(p) in ids for p in parameters)
 
 
