@@ -135,7 +135,7 @@ def step_gaps_callback():
 
 
 def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: str | None,
-            slow_plan_s: float = 0.0, plan_ahead: int = 0, eval_steps: int = 0) -> dict:  # fmt: skip
+            slow_plan_s: float = 0.0, plan_ahead: int = 0, eval_steps: int = 0, loss_type: str = "nll") -> dict:  # fmt: skip
     import os
 
     from odc_hf import ODCConfig, ODCSFTTrainer
@@ -156,7 +156,7 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
                            {"odc_sampler_class": slow_planner(trainer_cls.odc_sampler_class, slow_plan_s)})  # fmt: skip
     saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
     evaluating, eval_data = evaluation(tokenizer, eval_steps)
-    args = sft_config(out, per_device_train_batch_size=MINIBATCH // world, **saving, **evaluating)
+    args = sft_config(out, per_device_train_batch_size=MINIBATCH // world, loss_type=loss_type, **saving, **evaluating)
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset(tokenizer), **eval_data,
                           processing_class=tokenizer,
                           odc_config=ODCConfig(balance="lb_mini", max_tokens_per_microbatch=BUDGET, timeout_s=30,
@@ -174,7 +174,7 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
     return result
 
 
-def run_trl(out: Path, *, save_steps: int, eval_steps: int = 0) -> dict:
+def run_trl(out: Path, *, save_steps: int, eval_steps: int = 0, loss_type: str = "nll") -> dict:
     from trl import SFTTrainer
 
     from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
@@ -186,7 +186,8 @@ def run_trl(out: Path, *, save_steps: int, eval_steps: int = 0) -> dict:
     data = data.select(minibatch_order(len(data)))  # TRL reads it in order, one whole minibatch per step
     saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
     evaluating, eval_data = evaluation(tokenizer, eval_steps)
-    args = sft_config(out, train_sampling_strategy="sequential", use_cpu=True, **saving, **evaluating)
+    args = sft_config(out, train_sampling_strategy="sequential", use_cpu=True, loss_type=loss_type, **saving,
+                      **evaluating)  # fmt: skip
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, **eval_data)
     assert trainer.accelerator.num_processes == 1
     trainer.train()
@@ -211,6 +212,7 @@ def main(argv=None) -> None:
     p.add_argument("--zero_rank_first_step", action="store_true")
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--eval_steps", type=int, default=0, help="evaluate on held-out text every this many steps")
+    p.add_argument("--loss_type", default="nll", choices=["nll", "dft"], help="SFTConfig.loss_type")
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--then_resume_from", type=int, default=0, help="then resume a fresh trainer from this step")
     p.add_argument("--slow_plan_s", type=float, default=0.0,
@@ -224,9 +226,10 @@ def main(argv=None) -> None:
         return
     if args.trainer == "odc":
         result = run_odc(args.out, zero_rank_first_step=args.zero_rank_first_step, save_steps=args.save_steps,
-                         resume=args.resume_from_checkpoint, eval_steps=args.eval_steps)  # fmt: skip
+                         resume=args.resume_from_checkpoint, eval_steps=args.eval_steps,
+                         loss_type=args.loss_type)  # fmt: skip
     else:
-        result = run_trl(args.out, save_steps=args.save_steps, eval_steps=args.eval_steps)
+        result = run_trl(args.out, save_steps=args.save_steps, eval_steps=args.eval_steps, loss_type=args.loss_type)
     _write(args.out, result)
     if args.then_resume_from:
         resumed = run_odc(args.out / "resumed", zero_rank_first_step=False, save_steps=0,
