@@ -135,7 +135,8 @@ def step_gaps_callback():
 
 
 def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: str | None,
-            slow_plan_s: float = 0.0, plan_ahead: int = 0, eval_steps: int = 0, loss_type: str = "nll") -> dict:  # fmt: skip
+            slow_plan_s: float = 0.0, plan_ahead: int = 0, eval_steps: int = 0, loss_type: str = "nll",
+            load_best: bool = False) -> dict:  # fmt: skip
     import os
 
     from odc_hf import ODCConfig, ODCSFTTrainer
@@ -155,7 +156,10 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
         trainer_cls = type("SlowPlanODCSFTTrainer", (trainer_cls,),
                            {"odc_sampler_class": slow_planner(trainer_cls.odc_sampler_class, slow_plan_s)})  # fmt: skip
     saving = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
-    evaluating, eval_data = evaluation(tokenizer, eval_steps)
+    evaluating, eval_data = evaluation(tokenizer, 2 if load_best else eval_steps)
+    if load_best:  # a best model that is not the last one: the highest evaluation loss
+        saving = {"save_strategy": "steps", "save_steps": 2, "load_best_model_at_end": True,
+                  "metric_for_best_model": "eval_loss", "greater_is_better": True}
     args = sft_config(out, per_device_train_batch_size=MINIBATCH // world, loss_type=loss_type, **saving, **evaluating)
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset(tokenizer), **eval_data,
                           processing_class=tokenizer,
@@ -169,6 +173,10 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
               "odc": trainer.odc is not None, "world": trainer.accelerator.num_processes, "step_gaps_s": gaps.gaps,
               "step_s": [s.step_s for s in trainer.odc_stats.steps],
               "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}}  # fmt: skip
+    if load_best:
+        result["best_model_checkpoint"] = trainer.state.best_model_checkpoint
+        result["evaluated_after_training"] = trainer.evaluate()["eval_loss"]
+        trainer.save_model(str(out / "final"))
     if trainer.odc is not None:
         trainer.odc.close()  # a trainer resumed in the same processes installs its own
     return result
@@ -213,6 +221,9 @@ def main(argv=None) -> None:
     p.add_argument("--save_steps", type=int, default=0)
     p.add_argument("--eval_steps", type=int, default=0, help="evaluate on held-out text every this many steps")
     p.add_argument("--loss_type", default="nll", choices=["nll", "dft"], help="SFTConfig.loss_type")
+    p.add_argument("--load_best", action="store_true",
+                   help="evaluate and save every 2 steps, keep the WORST evaluation loss as the best model, load it at "
+                        "the end; then evaluate again and save the model to OUT/final")
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--then_resume_from", type=int, default=0, help="then resume a fresh trainer from this step")
     p.add_argument("--slow_plan_s", type=float, default=0.0,
@@ -227,7 +238,7 @@ def main(argv=None) -> None:
     if args.trainer == "odc":
         result = run_odc(args.out, zero_rank_first_step=args.zero_rank_first_step, save_steps=args.save_steps,
                          resume=args.resume_from_checkpoint, eval_steps=args.eval_steps,
-                         loss_type=args.loss_type)  # fmt: skip
+                         loss_type=args.loss_type, load_best=args.load_best)  # fmt: skip
     else:
         result = run_trl(args.out, save_steps=args.save_steps, eval_steps=args.eval_steps, loss_type=args.loss_type)
     _write(args.out, result)

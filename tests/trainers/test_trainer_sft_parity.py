@@ -69,3 +69,28 @@ def test_odc_sft_trainer_matches_trl_with_the_dft_loss(tmp_path):
     # dft's loss is the probability-weighted NLL: it grows as the model puts more mass on the targets
     losses = [h["loss"] for h in trl["history"]]
     assert losses[-1] > 1.2 * losses[0], losses
+
+
+@pytest.mark.slow
+def test_load_best_model_at_end_loads_the_best_checkpoint_into_the_sharded_model(tmp_path):
+    """``load_best_model_at_end`` with a best model that is not the last (the highest evaluation loss, at step 2): the
+    Trainer's own loader copied whole tensors into the sharded ones and crashed ("mixed torch.Tensor and DTensor"); and
+    a loaded model must be published, or the peers' gathers keep reading the last step's shards."""
+    odc = odc_run(tmp_path / "odc", "--load_best")
+    evaluations = {e["step"]: e["loss"] for e in odc["evaluations"]}
+    assert list(evaluations) == [0, 2, 4, 6] and evaluations[2] > evaluations[6] + 0.1, evaluations
+    assert odc["best_model_checkpoint"].endswith("checkpoint-2"), odc["best_model_checkpoint"]
+    # evaluated again after training: the best model's loss, not the last one's
+    assert odc["evaluated_after_training"] == pytest.approx(evaluations[2], rel=sft_runs.LOSS_RTOL)
+    # and the model saved after training is that one: TRL's evaluation of it in this process gives the same loss
+    from transformers import AutoModelForCausalLM
+    from trl import SFTTrainer
+
+    from odc_hf.testing.data import default_tokenizer
+
+    tokenizer = default_tokenizer()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "odc" / "final")
+    data = sft_runs.eval_dataset(tokenizer)
+    args = sft_runs.sft_config(tmp_path / "check", use_cpu=True, per_device_eval_batch_size=2)
+    check = SFTTrainer(model=saved, args=args, train_dataset=data, eval_dataset=data, processing_class=tokenizer)
+    assert check.evaluate()["eval_loss"] == pytest.approx(evaluations[2], rel=sft_runs.LOSS_RTOL)

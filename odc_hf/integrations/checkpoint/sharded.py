@@ -24,12 +24,15 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
 from odc_hf.integrations.upstream.transformers import TRAINING_ARGS_NAME
 
 OPTIMIZER_DIR = "odc_optimizer"
+SAFE_WEIGHTS_NAME = "model.safetensors"  # what save_pretrained writes for a model of one file
+ADAPTER_NAME = "adapter_model.safetensors"  # and for a PEFT model
 DCP_METADATA = ".metadata"  # written last by dcp.save's coordinator, once every rank's shard is on disk
 SCHEDULER_NAME = "scheduler.pt"
 
@@ -75,6 +78,33 @@ def save_full_model(trainer, output_dir: str, state: dict | None = None) -> None
             trainer.processing_class.save_pretrained(output_dir)
         torch.save(trainer.args, Path(output_dir) / TRAINING_ARGS_NAME)  # as Trainer._save: tools read it
     trainer.accelerator.wait_for_everyone()
+
+
+def load_full_model(trainer, checkpoint: str) -> None:
+    """Load the whole weights :func:`save_full_model` wrote into the model odc_hf sharded (every rank reads the file
+    and keeps its shards). A checkpoint without them (an adapter's alone, a missing file) or missing any weight but
+    a tied copy raises :class:`CheckpointPartMissing`."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(checkpoint, SAFE_WEIGHTS_NAME)
+    index = os.path.join(checkpoint, SAFE_WEIGHTS_NAME + ".index.json")  # save_pretrained's files of a large model
+    files = [path]
+    if not os.path.isfile(path) and os.path.isfile(index):
+        with open(index) as f:
+            files = [os.path.join(checkpoint, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    if not all(os.path.isfile(file) for file in files):
+        what = "the adapter's weights only" if os.path.isfile(os.path.join(checkpoint, ADAPTER_NAME)) else "no weights"
+        raise CheckpointPartMissing(checkpoint, SAFE_WEIGHTS_NAME, "the model's whole weights", f"is missing ({what})",
+                                    advice="load_best_model_at_end needs the whole model's weights; with an adapter, "
+                                    "load it from trainer.state.best_model_checkpoint after training")  # fmt: skip
+    state = {name: tensor for file in files for name, tensor in load_file(file, device="cpu").items()}
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    absent = set(get_model_state_dict(model)) - set(state)
+    missing = sorted(absent - missing_tied_keys(model, sorted(absent)))
+    if missing:
+        raise CheckpointPartMissing(checkpoint, SAFE_WEIGHTS_NAME, "the model's whole weights",
+                                    f"lacks {len(missing)} of them ({', '.join(missing[:3])}, ...)")  # fmt: skip
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def save_optimizer_and_scheduler(trainer, output_dir: str) -> None:

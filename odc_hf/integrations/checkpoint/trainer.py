@@ -15,6 +15,7 @@ import os
 from odc_hf.integrations.checkpoint import resume
 from odc_hf.integrations.checkpoint.sharded import (
     check_trainer_optimizer,
+    load_full_model,
     load_optimizer_and_scheduler,
     missing_tied_keys,
     save_optimizer_and_scheduler,
@@ -87,6 +88,17 @@ class CheckpointPart:
             return load_optimizer_and_scheduler(self, checkpoint)
         check_trainer_optimizer(checkpoint, scheduler=self.lr_scheduler is not None)  # the Trainer skips silently
         return parent(checkpoint)
+
+    def odc_load_best_model(self, parent):
+        """``load_best_model_at_end``: the best checkpoint's weights into the sharded model (on the CPU path, where
+        the Trainer would copy whole tensors into sharded ones, through torch.distributed.checkpoint's state-dict
+        API), then published: the peers' gathers read the published shards, not the parameters."""
+        if self._odc_self_sharded():
+            load_full_model(self, self.state.best_model_checkpoint)
+        else:
+            parent()
+        if self.odc is not None:
+            self.odc.publish()
 
     def odc_issue_warnings_after_load(self, parent, load_result):
         # A tied copy (lm_head.weight sharing the embedding) is never saved, so every correct checkpoint "misses" it:

@@ -129,6 +129,7 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
         # a multimodal model: refused before the base trainer prepares the data (TRL tokenizes it all in __init__)
         family.check_text_only(self._odc_argument("model", args, kwargs))
         super().__init__(*args, **kwargs)
+        self._odc_check_best_model()
         self.add_callback(_ODCCallback(self))
         self.odc_attention_choice = choose_attention(self)
         if self.odc_trl_loss_head():  # the loss is TRL's fused LM head (SFT, GRPO): the family's own loss, or refused
@@ -142,6 +143,18 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
         device = self.accelerator.device
         self.odc_cuda_allocator = cuda_allocator.check(device, main_process=self.accelerator.is_main_process)
         self._odc_alloc_retries = cuda_allocator.RetryCounter(device)
+
+    def _odc_check_best_model(self) -> None:
+        """``load_best_model_at_end`` of an adapter on the CPU path is refused before training: its checkpoints hold
+        the adapter alone, which odc_hf loads into no sharded model (a whole model's weights it does load)."""
+        cpu_path = self.accelerator.distributed_type != DistributedType.FSDP and self.accelerator.num_processes > 1
+        adapter = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
+        if self.args.load_best_model_at_end and adapter and cpu_path:
+            raise ValueError(
+                "load_best_model_at_end=True with a PEFT adapter on CPU processes: odc_hf cannot load an adapter "
+                "checkpoint into the sharded model there. Set load_best_model_at_end=False and, after training, load "
+                "the adapter saved in trainer.state.best_model_checkpoint (PeftModel.from_pretrained)"
+            )
 
     def _odc_argument(self, name: str, args: tuple, kwargs: dict):
         """The base trainer's ``name`` argument as this call passes it (by keyword or by position), else ``None``."""

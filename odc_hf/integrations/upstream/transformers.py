@@ -36,6 +36,7 @@ TRAINER_HOOKS = (
     "_issue_warnings_after_load",  # tied copies are never saved: not reported as missing
     "_get_output_dir",  # called: the run's output folder, where the checkpoints go
     "_get_train_sampler",  # GRPO: one dataloader batch per optimizer step (TRL overrides it too)
+    "_load_best_model",  # load_best_model_at_end: into the sharded model, then published for the peers' gathers
 )
 """Private ``transformers.Trainer`` methods the ODC trainers override or call."""
 
@@ -102,6 +103,9 @@ class TrainerHooks:
 
     def _issue_warnings_after_load(self, load_result):
         return self.odc_issue_warnings_after_load(super()._issue_warnings_after_load, load_result)
+
+    def _load_best_model(self):
+        return self.odc_load_best_model(super()._load_best_model)
 
 
 def output_dir(trainer, trial=None) -> str:
