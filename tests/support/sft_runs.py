@@ -136,7 +136,7 @@ def step_gaps_callback():
 
 def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: str | None,
             slow_plan_s: float = 0.0, plan_ahead: int = 0, eval_steps: int = 0, loss_type: str = "nll",
-            load_best: bool = False) -> dict:  # fmt: skip
+            load_best: bool = False, train_twice: bool = False) -> dict:  # fmt: skip
     import os
 
     from odc_hf import ODCConfig, ODCSFTTrainer
@@ -169,10 +169,14 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
     trainer.add_callback(gaps)
     trainer.train(resume_from_checkpoint=resume)
     mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)  # fully_shard's (HSDP: 2-D)
-    result = {"history": trainer_history(trainer), "evaluations": trainer_evaluations(trainer), "microbatches": [s.microbatches for s in trainer.odc_stats.steps],
+    result = {"history": trainer_history(trainer), "evaluations": trainer_evaluations(trainer),
+              "microbatches": [s.microbatches for s in trainer.odc_stats.steps],
               "odc": trainer.odc is not None, "world": trainer.accelerator.num_processes, "step_gaps_s": gaps.gaps,
               "step_s": [s.step_s for s in trainer.odc_stats.steps],
               "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}}  # fmt: skip
+    if train_twice:
+        trainer.train()
+        result["again"] = trainer_history(trainer)
     if load_best:
         result["best_model_checkpoint"] = trainer.state.best_model_checkpoint
         result["evaluated_after_training"] = trainer.evaluate()["eval_loss"]
@@ -182,7 +186,8 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
     return result
 
 
-def run_trl(out: Path, *, save_steps: int, eval_steps: int = 0, loss_type: str = "nll") -> dict:
+def run_trl(out: Path, *, save_steps: int, eval_steps: int = 0, loss_type: str = "nll", train_twice: bool = False
+            ) -> dict:  # fmt: skip
     from trl import SFTTrainer
 
     from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
@@ -199,7 +204,11 @@ def run_trl(out: Path, *, save_steps: int, eval_steps: int = 0, loss_type: str =
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, **eval_data)
     assert trainer.accelerator.num_processes == 1
     trainer.train()
-    return {"history": trainer_history(trainer), "evaluations": trainer_evaluations(trainer)}
+    result = {"history": trainer_history(trainer), "evaluations": trainer_evaluations(trainer)}
+    if train_twice:
+        trainer.train()
+        result["again"] = trainer_history(trainer)
+    return result
 
 
 def trainer_history(trainer) -> list[dict]:
@@ -224,6 +233,7 @@ def main(argv=None) -> None:
     p.add_argument("--load_best", action="store_true",
                    help="evaluate and save every 2 steps, keep the WORST evaluation loss as the best model, load it at "
                         "the end; then evaluate again and save the model to OUT/final")
+    p.add_argument("--train_twice", action="store_true", help="call train() a second time on the same trainer")
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--then_resume_from", type=int, default=0, help="then resume a fresh trainer from this step")
     p.add_argument("--slow_plan_s", type=float, default=0.0,
@@ -238,9 +248,10 @@ def main(argv=None) -> None:
     if args.trainer == "odc":
         result = run_odc(args.out, zero_rank_first_step=args.zero_rank_first_step, save_steps=args.save_steps,
                          resume=args.resume_from_checkpoint, eval_steps=args.eval_steps,
-                         loss_type=args.loss_type, load_best=args.load_best)  # fmt: skip
+                         loss_type=args.loss_type, load_best=args.load_best, train_twice=args.train_twice)  # fmt: skip
     else:
-        result = run_trl(args.out, save_steps=args.save_steps, eval_steps=args.eval_steps, loss_type=args.loss_type)
+        result = run_trl(args.out, save_steps=args.save_steps, eval_steps=args.eval_steps, loss_type=args.loss_type,
+                         train_twice=args.train_twice)  # fmt: skip
     _write(args.out, result)
     if args.then_resume_from:
         resumed = run_odc(args.out / "resumed", zero_rank_first_step=False, save_steps=0,

@@ -94,3 +94,15 @@ def test_load_best_model_at_end_loads_the_best_checkpoint_into_the_sharded_model
     args = sft_runs.sft_config(tmp_path / "check", use_cpu=True, per_device_eval_batch_size=2)
     check = SFTTrainer(model=saved, args=args, train_dataset=data, eval_dataset=data, processing_class=tokenizer)
     assert check.evaluate()["eval_loss"] == pytest.approx(evaluations[2], rel=sft_runs.LOSS_RTOL)
+
+
+@pytest.mark.slow
+def test_a_second_train_call_continues_as_trls_does(tmp_path):
+    """``train()`` called again on the same trainer (a notebook's "train some more"): the model stays as ODC holds
+    it (it used to stop with "ODCAccelerator already prepared a model with ODC"), the optimizer keeps its state, and the
+    steps equal TRL's trainer doing the same in one process."""
+    odc = odc_run(tmp_path / "odc", "--train_twice")
+    trl = trl_reference(tmp_path / "trl", "--train_twice")
+    assert_same_steps(odc["again"], trl["again"], range(1, sft_runs.MAX_STEPS + 1))
+    # the same minibatches as the first call (the sampler starts its epoch again), on a model that learned from them
+    assert odc["again"][0]["loss"] < odc["history"][0]["loss"] - 0.3, (odc["again"][0], odc["history"][0])

@@ -101,6 +101,14 @@ class ODCAccelerator(Accelerator):
             raise ValueError("ODCAccelerator.prepare takes one model at a time")
         check_supported(self)
         model = models[0]
+        if getattr(self, "odc", None) is not None:
+            if model is not self.odc.model:
+                raise ValueError("ODCAccelerator already prepared a model with ODC; it takes one model per process")
+            # Prepared again (a second train() of the same trainer): the model stays as ODC holds it, as accelerate
+            # returns an FSDP2 module as it is; a new optimizer publishes after its steps too.
+            prepared = super().prepare(*args, device_placement=device_placement)
+            self._odc_attach_optimizers(prepared if isinstance(prepared, (tuple, list)) else (prepared,))
+            return prepared
         if config.enabled:
             check_not_quantized(model)
             self.odc_plugin.reduce_in_fp32()
@@ -122,19 +130,26 @@ class ODCAccelerator(Accelerator):
             # normaliser), so that both modes train identically.
             sum_reduction(prepared_model)
             return prepared
-        if self.odc is not None:
-            raise ValueError("ODCAccelerator already prepared a model with ODC")
         self.odc = install_odc(prepared_model, timeout_s=config.timeout_s, shm_dir=config.shm_dir,
                                peer_memory=config.cuda_peer_memory, deterministic=config.deterministic)  # fmt: skip
-        for r in result:
-            inner = getattr(r, "optimizer", r)
-            if isinstance(inner, torch.optim.Optimizer):
-                self.odc.attach_optimizer(inner)
+        self._odc_attach_optimizers(result)
         logger.info(
             "odc_hf: ODC installed on %d units across %d ranks (mesh %s)", len(self.odc.units), self.num_processes,
             self.odc.topology.describe(),
         )  # fmt: skip
         return prepared
+
+    def _odc_attach_optimizers(self, prepared) -> None:
+        """ODC publishes the shards after every step of each optimizer among ``prepared`` (the torch optimizer inside
+        accelerate's wrappers), once per optimizer however often it is prepared."""
+        attached = self.__dict__.setdefault("_odc_attached", set())
+        for r in prepared:
+            inner = r
+            while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+                inner = inner.optimizer
+            if isinstance(inner, torch.optim.Optimizer) and id(inner) not in attached:
+                attached.add(id(inner))
+                self.odc.attach_optimizer(inner)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Under ODC: the norm from the local gradient shards, summed at ODC's barrier, and the shards scaled in place
