@@ -78,6 +78,7 @@ def sft_config(out: Path, config_class=None, **changes):
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=SEED, logging_steps=1,
         save_strategy="no", report_to="none", bf16=False, max_length=BUDGET, packing=False, dataloader_drop_last=True,
         disable_tqdm=True, dataset_num_proc=None, gradient_checkpointing=False,
+        include_num_input_tokens_seen="non_padding",
     )  # fmt: skip
     return (config_class or SFTConfig)(**{**fields, **changes})
 
@@ -171,6 +172,7 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
     mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)  # fully_shard's (HSDP: 2-D)
     result = {"history": trainer_history(trainer), "evaluations": trainer_evaluations(trainer),
               "microbatches": [s.microbatches for s in trainer.odc_stats.steps],
+              "tokens_seen": trainer.state.num_input_tokens_seen,
               "odc": trainer.odc is not None, "world": trainer.accelerator.num_processes, "step_gaps_s": gaps.gaps,
               "step_s": [s.step_s for s in trainer.odc_stats.steps],
               "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}}  # fmt: skip
@@ -204,7 +206,8 @@ def run_trl(out: Path, *, save_steps: int, eval_steps: int = 0, loss_type: str =
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, **eval_data)
     assert trainer.accelerator.num_processes == 1
     trainer.train()
-    result = {"history": trainer_history(trainer), "evaluations": trainer_evaluations(trainer)}
+    result = {"history": trainer_history(trainer), "evaluations": trainer_evaluations(trainer),
+              "tokens_seen": trainer.state.num_input_tokens_seen}
     if train_twice:
         trainer.train()
         result["again"] = trainer_history(trainer)

@@ -86,3 +86,16 @@ def test_packed_logits_equal_each_document_run_alone(attn_implementation, one_to
             alone = model(input_ids=torch.tensor([doc])).logits[0]
             torch.testing.assert_close(packed[start : start + len(doc)], alone, atol=1e-5, rtol=0)
             start += len(doc)
+
+
+def test_the_bundles_attention_mask_covers_every_document_token_and_no_dummy():
+    """What the Trainer's include_num_input_tokens_seen="non_padding" sums: documents ending in eos, which is also the
+    pad token, count whole (transformers' fallback, input_ids != pad, dropped them); an empty microbatch's pad does not."""
+    from odc_hf.integrations.trainer.bundle import TrainerBundleCollator
+
+    collator = TrainerBundleCollator(pad_token_id=0)
+    bundle = collator([[{"input_ids": [5, 6, 0]}, {"input_ids": [7, 0]}], [], [{"input_ids": [0]}]])
+    assert "attention_mask" in bundle and bundle.empty == (False, True, False)
+    assert bundle["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0, 1]]
+    assert bundle["attention_mask"].shape == bundle["input_ids"].shape
+    assert collator([])["attention_mask"].shape == (1, 0)  # a rank without microbatches counts nothing

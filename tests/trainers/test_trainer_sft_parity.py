@@ -26,6 +26,9 @@ def test_odc_sft_trainer_matches_trl_sft_trainer_on_whole_minibatches(tmp_path):
     assert counts[0][1] == 0 and counts[0][0] > 1, counts  # the last rank's first step: no microbatch at all
     assert any(len(set(c)) > 1 and min(c) > 0 for c in counts[1:]), counts  # LB-Mini: uneven counts later
     assert_same_steps(odc["history"], trl["history"], range(1, sft_runs.MAX_STEPS + 1))
+    # include_num_input_tokens_seen="non_padding": every document token, eos (the pad token) included, as TRL counts
+    # them through its padded batches' attention mask (ODC's rows have none: it counted the eos tokens as padding)
+    assert odc["tokens_seen"] == trl["tokens_seen"] > 0, (odc["tokens_seen"], trl["tokens_seen"])
     losses = [h["loss"] for h in trl["history"]]
     assert losses[-1] < losses[0] - 0.1  # it learns: a comparison of untrained, flat losses would prove little
     # Evaluation on held-out text before training (eval_on_start), then every 3 steps: the losses of TRL's padded

@@ -144,13 +144,22 @@ class Bundle(Mapping):
     """This rank's microbatches for one optimizer step.
 
     As a Mapping it shows each key concatenated over the microbatches, which is what the Trainer's once-per-step
-    helpers read (token counting, FLOP estimate); ``training_step`` iterates ``microbatches``.
+    helpers read (token counting, FLOP estimate); ``training_step`` iterates ``microbatches``. Its
+    ``"attention_mask"`` (the packed rows have none) is 1 on every token of a document and 0 on the pad token of an
+    empty microbatch, so the Trainer's ``include_num_input_tokens_seen="non_padding"`` counts the documents' tokens,
+    an eos that is also the pad token included.
     """
 
-    def __init__(self, microbatches: list[dict]):
+    def __init__(self, microbatches: list[dict], empty: Sequence[bool] = ()):
         self.microbatches = microbatches
+        self.empty = tuple(empty) or (False,) * len(microbatches)
+        """Per microbatch, whether it held no document (its row is one pad token)."""
 
     def __getitem__(self, key: str) -> torch.Tensor:
+        if key == "attention_mask" and not any(key in mb for mb in self.microbatches):
+            return torch.cat([torch.zeros((1, 0), dtype=torch.long)]
+                             + [torch.full_like(mb["input_ids"], 0 if empty else 1)
+                                for mb, empty in zip(self.microbatches, self.empty)], dim=-1)  # fmt: skip
         parts = [mb[key] for mb in self.microbatches if isinstance(mb.get(key), torch.Tensor)]
         if not parts:
             if key == "input_ids":
@@ -180,7 +189,8 @@ class TrainerBundleCollator(BundleCollator):
     """:class:`BundleCollator` whose bundles come out as :class:`Bundle` (what ``ODCMixin.training_step`` takes)."""
 
     def __call__(self, bundle):
-        return Bundle(super().__call__(bundle))
+        empty = [not any(len(example["input_ids"]) for example in examples) for examples in bundle]
+        return Bundle(super().__call__(bundle), empty)
 
 
 class BundleLoader(DataLoader):
