@@ -51,10 +51,10 @@ class _Trainer:
         return model
 
 
-def _model():
+def _model(tied: bool = True):
     from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
-    return tiny_qwen2_model(default_tokenizer())
+    return tiny_qwen2_model(default_tokenizer(), tie_word_embeddings=tied)
 
 
 def test_a_checkpoint_without_whole_weights_is_refused_naming_what_it_holds(tmp_path):
@@ -93,3 +93,24 @@ def test_whole_weights_load_and_a_missing_weight_is_named(tmp_path):
     save_file(state, str(tmp_path / "part" / "model.safetensors"))
     with pytest.raises(CheckpointPartMissing, match=r"lacks 1 of them \(model\.norm\.weight, \.\.\.\)"):
         load_full_model(_Trainer(_model()), str(tmp_path / "part"))
+
+
+def test_an_untied_heads_weight_is_loaded_and_its_absence_named(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from odc_hf.integrations.checkpoint.sharded import CheckpointPartMissing, load_full_model
+
+    saved = _model(tied=False)
+    with torch.no_grad():
+        saved.lm_head.weight.add_(1.0)
+    saved.save_pretrained(tmp_path / "whole")
+    target = _model(tied=False)
+    load_full_model(_Trainer(target), str(tmp_path / "whole"))
+    assert torch.equal(target.lm_head.weight, saved.lm_head.weight)
+    assert not torch.equal(target.lm_head.weight, target.model.embed_tokens.weight)
+    state = {k: v.contiguous() for k, v in saved.state_dict().items() if k != "lm_head.weight"}
+    (tmp_path / "headless").mkdir()
+    save_file(state, str(tmp_path / "headless" / "model.safetensors"))
+    with pytest.raises(CheckpointPartMissing, match=r"lacks 1 of them \(lm_head\.weight, \.\.\.\)"):
+        load_full_model(_Trainer(_model(tied=False)), str(tmp_path / "headless"))

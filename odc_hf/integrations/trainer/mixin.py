@@ -281,7 +281,7 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
                             num_workers=self.args.dataloader_num_workers)  # fmt: skip
 
     def odc_mask_keys(self) -> tuple[str, ...]:
-        """Example columns whose zeros mask labels (TRL's trainer narrows this to what its settings enable)."""
+        """Example columns whose zeros mask labels (none for TRL's SFT trainer: its labels carry the masks)."""
         return MASK_KEYS
 
     def _odc_cost_model(self):
