@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
 
 from odc_hf.fsdp import internals
 from odc_hf.fsdp.full_parameters import full_parameters
@@ -65,6 +66,7 @@ class ODCHandle:
         self.published = False
         self.reduces_unused_params = False
         self._zero_outputs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._publish_hooks: dict[int, RemovableHandle] = {}  # per attached optimizer (by id): its step hook
         self._closed = False
 
     def describe(self) -> str:
@@ -265,8 +267,11 @@ class ODCHandle:
         yield from full_parameters(self.model, self.units, self.transport, self.rank)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer):
-        """Publish (the trainable shards) after every ``optimizer.step()``; returns the hook handle."""
-        return optimizer.register_step_post_hook(lambda *_: self.publish(frozen=False))
+        """Publish (the trainable shards) after every ``optimizer.step()``; returns the hook handle. Once per
+        optimizer: attaching it again returns the first handle."""
+        if id(optimizer) not in self._publish_hooks:
+            self._publish_hooks[id(optimizer)] = optimizer.register_step_post_hook(lambda *_: self.publish(frozen=False))
+        return self._publish_hooks[id(optimizer)]
 
     # -- failures ----------------------------------------------------------------------------------
     def abort(self, reason: str) -> None:

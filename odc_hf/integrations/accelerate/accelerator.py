@@ -140,15 +140,13 @@ class ODCAccelerator(Accelerator):
         return prepared
 
     def _odc_attach_optimizers(self, prepared) -> None:
-        """ODC publishes the shards after every step of each optimizer among ``prepared`` (the torch optimizer inside
-        accelerate's wrappers), once per optimizer however often it is prepared."""
-        attached = self.__dict__.setdefault("_odc_attached", set())
+        """ODC publishes the shards after every step of each optimizer among ``prepared``: the torch optimizer inside
+        accelerate's wrappers (a second prepare wraps its own wrapper again)."""
         for r in prepared:
             inner = r
             while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
                 inner = inner.optimizer
-            if isinstance(inner, torch.optim.Optimizer) and id(inner) not in attached:
-                attached.add(id(inner))
+            if isinstance(inner, torch.optim.Optimizer):
                 self.odc.attach_optimizer(inner)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
