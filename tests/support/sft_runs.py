@@ -83,6 +83,37 @@ def sft_config(out: Path, config_class=None, **changes):
     return (config_class or SFTConfig)(**{**fields, **changes})
 
 
+def offload_probe():
+    """Stands in for TRL's activation-offloading context (``SFTTrainer.maybe_activation_offload_context``, a
+    ``saved_tensors_hooks`` that offloads on CUDA only): counts its entries, the tensors saved inside it, and those read
+    back while it is not entered (a backward run outside it)."""
+    import torch
+
+    class OffloadProbe(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self):
+            self.entered = self.packed = self.unpacked_outside = 0
+            self.inside = False
+            super().__init__(self._pack, self._unpack)
+
+        def _pack(self, tensor):
+            self.packed += 1
+            return tensor
+
+        def _unpack(self, tensor):
+            self.unpacked_outside += not self.inside
+            return tensor
+
+        def __enter__(self):
+            self.entered, self.inside = self.entered + 1, True
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            self.inside = False
+            return super().__exit__(*exc)
+
+    return OffloadProbe()
+
+
 def zero_rank_on_first_step(sampler_cls):
     """A sampler whose first step gives every microbatch of the last rank to rank 0 (LB-Mini's plans otherwise):
     the last rank starts training with zero microbatches, before it ever had a gradient or optimizer state."""
@@ -168,11 +199,13 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
                                                plan_ahead=plan_ahead))  # fmt: skip
     gaps = step_gaps_callback()
     trainer.add_callback(gaps)
+    probe = trainer.maybe_activation_offload_context = offload_probe()
     trainer.train(resume_from_checkpoint=resume)
     mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)  # fully_shard's (HSDP: 2-D)
     result = {"history": trainer_history(trainer), "evaluations": trainer_evaluations(trainer),
               "microbatches": [s.microbatches for s in trainer.odc_stats.steps],
               "tokens_seen": trainer.state.num_input_tokens_seen,
+              "offload": {"entered": probe.entered, "packed": probe.packed, "unpacked_outside": probe.unpacked_outside},
               "odc": trainer.odc is not None, "world": trainer.accelerator.num_processes, "step_gaps_s": gaps.gaps,
               "step_s": [s.step_s for s in trainer.odc_stats.steps],
               "mesh": mesh and {"ranks": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names or ())}}  # fmt: skip

@@ -29,6 +29,11 @@ def test_odc_sft_trainer_matches_trl_sft_trainer_on_whole_minibatches(tmp_path):
     # include_num_input_tokens_seen="non_padding": every document token, eos (the pad token) included, as TRL counts
     # them through its padded batches' attention mask (ODC's rows have none: it counted the eos tokens as padding)
     assert odc["tokens_seen"] == trl["tokens_seen"] > 0, (odc["tokens_seen"], trl["tokens_seen"])
+    # TRL's activation-offloading context (a counting stand-in: TRL's offloads on CUDA only) is entered around each of
+    # rank 0's microbatches, forward and backward (it was never entered: ODC's training_step replaces TRL's)
+    offload = odc["offload"]
+    assert offload["entered"] == sum(c[0] for c in counts) and offload["packed"] > 0, offload
+    assert offload["unpacked_outside"] == 0, offload
     losses = [h["loss"] for h in trl["history"]]
     assert losses[-1] < losses[0] - 0.1  # it learns: a comparison of untrained, flat losses would prove little
     # Evaluation on held-out text before training (eval_on_start), then every 3 steps: the losses of TRL's padded

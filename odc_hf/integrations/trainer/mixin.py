@@ -317,6 +317,9 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
         self.accelerator = LocalGathers(real_accelerator)
         guard = self.odc.failure_guard() if self.odc is not None else contextlib.nullcontext()
         clock = MicrobatchClock(device) if self._odc_time_microbatches() else None
+        # TRL's SFT trainer offloads activations (activation_offloading=True) around each training step's forward
+        # and backward, that is each microbatch's: here too
+        offload = getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
         try:
             # a rank that raises tells its peers at once instead of leaving them to time out; an OOM names the plan
             with guard, fused_head.oom_guard(self.odc_compute):
@@ -324,9 +327,10 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
                     batch = send_to_device(
                         {k: v for k, v in microbatch.items() if k != "num_label_tokens"}, device
                     )
-                    with self.compute_loss_context_manager():
-                        loss = self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
-                    real_accelerator.backward(loss)
+                    with offload:
+                        with self.compute_loss_context_manager():
+                            loss = self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
+                        real_accelerator.backward(loss)
                     loss_sum += loss.detach()
                     if clock is not None:
                         clock.lap(document_lengths(microbatch))

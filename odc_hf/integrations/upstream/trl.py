@@ -14,9 +14,11 @@ from odc_hf.version import TESTED, warn_if_untested
 # parity tests (tests/trainers/test_trainer_sft_parity.py, tests/grpo/test_grpo_parity.py, tests/models/test_model_zoo.py) pass on it.
 TESTED_TRL = TESTED["trl"]
 
-SFT_PRIVATE_ATTRIBUTES = ("_metrics", "_total_train_tokens", "aux_loss_enabled", "router_aux_loss_coef")
-"""What ``ODCSFTTrainer`` reads of TRL's ``SFTTrainer``: its metrics, re-aggregated once per step, and its MoE router
-loss switch and coefficient (weighed per step: ``odc_hf.integrations.trainer.metrics.weigh_router_loss``)."""
+SFT_PRIVATE_ATTRIBUTES = ("_metrics", "_total_train_tokens", "aux_loss_enabled", "router_aux_loss_coef",
+                          "maybe_activation_offload_context")
+"""What ``ODCSFTTrainer`` reads of TRL's ``SFTTrainer``: its metrics, re-aggregated once per step, its MoE router
+loss switch and coefficient (weighed per step: ``odc_hf.integrations.trainer.metrics.weigh_router_loss``), and its
+activation-offloading context (entered around each microbatch's forward and backward)."""
 GRPO_PRIVATE_METHODS = ("_generate_and_score_completions", "_get_train_sampler", "compute_loss", "_compute_loss",
                         "_get_per_token_logps_and_entropies")
 """TRL ``GRPOTrainer`` methods ``ODCGRPOTrainer`` calls or overrides: generation and scoring, the sampler (one
