@@ -39,6 +39,7 @@ from odc_hf.integrations.accelerate.refusals import (
     check_cpu_ranks_have_no_gpu_to_pick,
     check_launch_before_accelerate,
     check_not_quantized,
+    check_optimizer,
     check_shared_gpu_state_dict,
     check_supported,
     check_world_matches_launch,
@@ -101,6 +102,9 @@ class ODCAccelerator(Accelerator):
             raise ValueError("ODCAccelerator.prepare takes one model at a time")
         check_supported(self)
         model = models[0]
+        if config.enabled:
+            for optimizer in _optimizers(args):
+                check_optimizer(optimizer)
         if getattr(self, "odc", None) is not None:
             if model is not self.odc.model:
                 raise ValueError("ODCAccelerator already prepared a model with ODC; it takes one model per process")
@@ -142,12 +146,8 @@ class ODCAccelerator(Accelerator):
     def _odc_attach_optimizers(self, prepared) -> None:
         """ODC publishes the shards after every step of each optimizer among ``prepared``: the torch optimizer inside
         accelerate's wrappers (a second prepare wraps its own wrapper again)."""
-        for r in prepared:
-            inner = r
-            while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
-                inner = inner.optimizer
-            if isinstance(inner, torch.optim.Optimizer):
-                self.odc.attach_optimizer(inner)
+        for optimizer in _optimizers(prepared):
+            self.odc.attach_optimizer(optimizer)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Under ODC: the norm from the local gradient shards, summed at ODC's barrier, and the shards scaled in place
@@ -177,6 +177,17 @@ class ODCAccelerator(Accelerator):
         return super().prepare_model(
             model, device_placement=device_placement, evaluation_mode=evaluation_mode
         )
+
+
+def _optimizers(objects) -> list[torch.optim.Optimizer]:
+    """The torch optimizers among ``objects``, each taken out of accelerate's wrappers."""
+    found = []
+    for inner in objects:
+        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+            inner = inner.optimizer
+        if isinstance(inner, torch.optim.Optimizer):
+            found.append(inner)
+    return found
 
 
 def _belongs_to(model: torch.nn.Module, parameters: list) -> bool:

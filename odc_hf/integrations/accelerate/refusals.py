@@ -225,6 +225,23 @@ def check_not_quantized(model: torch.nn.Module) -> None:
         )
 
 
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, under ODC, an optimizer that changes the parameters outside ``step()``: one with ``train()`` / ``eval()``
+    modes (a schedule-free optimizer moves the parameters between two sequences when switched), or one that updates
+    them inside backward (LOMO's ``fused_backward``). ODC's peers gather the shards published after each step."""
+    if callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None)):
+        how = "its train()/eval() modes change the parameters outside optimizer.step() (a schedule-free optimizer)"
+    elif callable(getattr(optimizer, "fused_backward", None)):
+        how = "it updates the parameters inside backward (LOMO), before ODC has summed the gradients"
+    else:
+        return
+    raise NotImplementedError(
+        f"odc_hf does not support {type(optimizer).__name__} under ODC: {how}, while the peers read the shards "
+        "published after each optimizer step. Use an optimizer that changes the parameters in step() only "
+        "(optim='adamw_torch', ...), or set ODCConfig(enabled=False) to run plain FSDP2 collectives"
+    )
+
+
 def fsdp_state_dict_type(accelerator: Accelerator) -> str:
     """How accelerate's FSDP plugin saves state dicts (``"StateDictType.SHARDED_STATE_DICT"``, ...), "" without one."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)

@@ -23,6 +23,7 @@ import time
 import torch
 import transformers
 from accelerate.utils import DistributedType, send_to_device
+from accelerate.utils.memory import clear_device_cache
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
@@ -320,6 +321,8 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
         # TRL's SFT trainer offloads activations (activation_offloading=True) around each training step's forward
         # and backward, that is each microbatch's: here too
         offload = getattr(self, "maybe_activation_offload_context", None) or contextlib.nullcontext()
+        every = self.args.torch_empty_cache_steps  # as the Trainer: the device cache emptied after each forward
+        empty_cache = every is not None and self.state.global_step % every == 0
         try:
             # a rank that raises tells its peers at once instead of leaving them to time out; an OOM names the plan
             with guard, fused_head.oom_guard(self.odc_compute):
@@ -330,6 +333,9 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
                     with offload:
                         with self.compute_loss_context_manager():
                             loss = self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
+                        del batch
+                        if empty_cache:
+                            clear_device_cache()
                         real_accelerator.backward(loss)
                     loss_sum += loss.detach()
                     if clock is not None:
