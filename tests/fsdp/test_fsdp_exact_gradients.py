@@ -52,8 +52,9 @@ def test_odc_fp32_matches_single_process_and_fsdp(world_size, device, references
             assert odc[m]["norm"] == pytest.approx(other["norm"], rel=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tie", [True, False], ids=["tied_head", "untied_head"])
-def test_a_rank_without_microbatches_after_an_evaluation_clips_its_own_shards(references, tie):
+def test_a_rank_without_microbatches_after_an_evaluation_clips_its_own_shards(references, tie, device):
     """An evaluation (a forward without backward) leaves FSDP2's root unit gathered: its module then shows unsharded
     parameters, without the gradient shards ODC set on the sharded ones. A rank that trains no microbatch in the next
     minibatch never runs the backward that would reshard it; its clip then left its shards of the root's parameters out
@@ -61,7 +62,7 @@ def test_a_rank_without_microbatches_after_an_evaluation_clips_its_own_shards(re
     ranks taking accelerate's path). Every rank ends the minibatch resharded, so the run equals the reference."""
     counts = COUNTS[4]
     odc = run_ranks(functools.partial(distributed_run, evaluate=True, tie=tie), 4, counts, MINIBATCHES, "odc",
-                    "fp32")[0]  # fmt: skip
+                    "fp32", **_backend(device, 4))[0]  # fmt: skip
     ref = references[4] if tie else reference_run(counts, MINIBATCHES, tie=False)
     assert all(0 in r["counts"] for r in odc)
     for m in range(MINIBATCHES):
