@@ -195,7 +195,7 @@ def run_odc(out: Path, *, zero_rank_first_step: bool, save_steps: int, resume: s
     args = sft_config(out, per_device_train_batch_size=MINIBATCH // world, loss_type=loss_type, **saving, **evaluating)
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset(tokenizer), **eval_data,
                           processing_class=tokenizer,
-                          odc_config=ODCConfig(balance="lb_mini", max_tokens_per_microbatch=BUDGET, timeout_s=30,
+                          odc_config=ODCConfig(balance="lb_mini", max_tokens_per_microbatch=BUDGET, timeout_s=300,
                                                plan_ahead=plan_ahead))  # fmt: skip
     gaps = step_gaps_callback()
     trainer.add_callback(gaps)
