@@ -59,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--untied_lm_head", action="store_true",
                    help="tiny model only: an lm_head of its own (Llama / Mistral style) instead of the tied embedding")
     p.add_argument("--report_to", default="none")
+    p.add_argument("--eval_steps", type=int, default=0,
+                   help="evaluate every N steps on 8 held-out prompts (TRL's evaluation: generation + loss); 0: never")
+    p.add_argument("--eval_on_start", action="store_true", help="with --eval_steps: also evaluate before step 1")
     p.add_argument("--num_processes", type=int, default=2,
                    help="processes of `python examples/grpo.py` (ignored under accelerate launch): 2 run ODC on 2+ "
                         "GPUs, else on CPU; 1 runs here, on the GPU if there is one")  # fmt: skip
@@ -165,10 +168,14 @@ def train_one(args, loss_type: str, tokenizer, dataset):
         max_grad_norm=1.0, beta=args.beta, loss_type=loss_type, seed=args.seed, logging_steps=1,
         save_strategy="no", report_to=args.report_to, bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
         model_init_kwargs={"dtype": torch.bfloat16 if args.bf16 else torch.float32},
-        disable_tqdm=True, temperature=1.0,
+        disable_tqdm=True, temperature=1.0, per_device_eval_batch_size=args.per_device_train_batch_size,
+        eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
+        eval_on_start=args.eval_on_start and bool(args.eval_steps),
     )  # fmt: skip
     kwargs = dict(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
                   processing_class=tokenizer)  # fmt: skip
+    if args.eval_steps:  # prompts of another seed
+        kwargs["eval_dataset"] = arithmetic_dataset(8, args.seed + 1)
     if args.use_peft:
         from peft import LoraConfig
 
@@ -190,13 +197,14 @@ def train_one(args, loss_type: str, tokenizer, dataset):
     if args.trainer == "trl":  # TRL's own trainer: the gloo exit guard the ODC trainers register themselves
         destroy_gloo_group_at_exit()
     history = [h for h in trainer.state.log_history if "loss" in h]
+    evaluations = [h for h in trainer.state.log_history if "eval_loss" in h]
     steps = [{"microbatches": s.microbatches, "busy_s": s.busy_s, "wait_s": s.wait_s}
              for s in getattr(trainer, "odc_stats", None).steps] if args.trainer == "odc" else []  # fmt: skip
     layout = {"attention": trainer.odc_attention, "packed": trainer.odc_grpo_packed} if args.trainer == "odc" else {}
     for handle in (getattr(trainer, "odc", None), getattr(trainer, "odc_ref", None)):
         if handle is not None:
             handle.close()
-    return trainer, {"history": history, "steps": steps, **layout}
+    return trainer, {"history": history, "evaluations": evaluations, "steps": steps, **layout}
 
 
 def main(argv=None) -> None:

@@ -19,7 +19,8 @@ from example_scripts import grpo_run
 
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
 COMMON = ["--fixed_rollouts", "--max_steps", "4", "--loss_type", ",".join(LOSS_TYPES), "--beta", "0.05",
-          "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_completion_length", "48"]  # fmt: skip
+          "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_completion_length", "48",
+          "--eval_steps", "2", "--eval_on_start"]  # fmt: skip
 
 
 def launch(tmp_path: Path, name: str, *extra: str) -> dict:
@@ -85,3 +86,21 @@ def test_odc_grpo_logs_every_metric_trl_logs(runs, loss_type, plan):
     # loss and grad_norm: compared above, with the tolerances their arithmetic allows
     assert_same_metrics(runs[plan][loss_type]["history"], runs["trl"][loss_type]["history"], rel=1e-5, abs=1e-7,
                         skip=("loss", "grad_norm"))  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["uneven", "zero"])
+def test_odc_grpo_evaluates_as_trl(runs, plan):
+    """Evaluation before step 1 and every 2 steps (TRL's own path under ODC: generation, scoring and loss on TRL's
+    evaluation batches; on packed rows in the uneven plan). In the zero plan a rank trains nothing right after each
+    evaluation, the case where FSDP2's root unit was left gathered by the evaluation's forwards."""
+    from test_grpo_metrics import assert_same_metrics
+
+    timing = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+    for loss_type in LOSS_TYPES:
+        odc, trl = runs[plan][loss_type]["evaluations"], runs["trl"][loss_type]["evaluations"]
+        assert [e["step"] for e in odc] == [e["step"] for e in trl] == [0, 2, 4], (loss_type, odc)
+        # losses as in training (absolute fp32 error of cancelling terms); the metrics as test_grpo_metrics's
+        for a, b in zip(odc, trl):
+            assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=0, abs=1e-6), (loss_type, a, b)
+        assert_same_metrics(odc, trl, rel=1e-4, abs=1e-6, skip=("eval_loss", *timing))

@@ -93,6 +93,18 @@ def test_outside_a_launched_rank_python_reports_as_usual():
         os.environ.update(environ)
 
 
+def test_runs_without_a_rendezvous_id_do_not_share_an_error_folder():
+    """torchrun's run id is "none" unless --rdzv-id is given (accelerate launch on one machine): two such runs, each
+    a launcher with its own process id, get their own folders (the control: a real run id names the folder)."""
+    from odc_hf.integrations.launch.rank_errors import error_dir
+
+    folder = error_dir({"TORCHELASTIC_RUN_ID": "none"})
+    assert folder.name == f"odc_hf-errors-pid{os.getppid()}"
+    assert error_dir({}) == folder
+    assert error_dir({"TORCHELASTIC_RUN_ID": "job/7"}).name == "odc_hf-errors-job_7"
+    assert error_dir({"TORCHELASTIC_RUN_ID": "none", "ODC_ERROR_DIR": "/x/y"}) == Path("/x/y")
+
+
 @pytest.mark.slow
 def test_resuming_without_a_checkpoint_ends_with_odc_hfs_message_not_the_launchers_report(tmp_path):
     """The user's case: ``python examples/sft.py --resume_from_checkpoint last`` with no checkpoint. Before, the

@@ -34,11 +34,18 @@ __all__ = ["ERROR_DIR_ENV", "error_dir", "first_failure", "install", "run_launch
 
 
 def error_dir(environ=None) -> Path:
-    """The run's error folder: ``ODC_ERROR_DIR``, else ``<tmp>/odc_hf-errors-<launcher run id>``."""
+    """The run's error folder: ``ODC_ERROR_DIR``, else ``<tmp>/odc_hf-errors-<launcher run id>``.
+
+    torchrun's run id is ``none`` unless ``--rdzv-id`` is given (``accelerate launch`` gives none on one machine), so
+    every such run would share one folder; there the launcher's process id (the parent of every rank it starts)
+    names the folder instead."""
     environ = os.environ if environ is None else environ
     if environ.get(ERROR_DIR_ENV):
         return Path(environ[ERROR_DIR_ENV])
-    run = re.sub(r"[^A-Za-z0-9_.-]", "_", environ.get("TORCHELASTIC_RUN_ID", "") or f"pid{os.getppid()}")
+    run = environ.get("TORCHELASTIC_RUN_ID", "")
+    if run in ("", "none"):
+        run = f"pid{os.getppid()}"
+    run = re.sub(r"[^A-Za-z0-9_.-]", "_", run)
     return Path(tempfile.gettempdir()) / f"odc_hf-errors-{run}"
 
 
