@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 from example_scripts import grpo_run
 
-LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+from odc_hf.integrations.trl.grpo_batch import SUPPORTED_LOSS_TYPES
+
+LOSS_TYPES = SUPPORTED_LOSS_TYPES  # TRL 1.16's eight
 COMMON = ["--fixed_rollouts", "--max_steps", "4", "--loss_type", ",".join(LOSS_TYPES), "--beta", "0.05",
           "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_completion_length", "48",
           "--eval_steps", "2", "--eval_on_start"]  # fmt: skip

@@ -24,6 +24,9 @@ def test_private_grpo_surfaces_exist_on_the_installed_trl():
     assert 'completion_mask * inputs["tool_mask"]' in source
     assert 'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes' in source
     assert 'self.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]' in source
+    # the normaliser branches grpo_batch.LOSS_CODE and sample_weights rely on
+    assert 'self.loss_type in ["cispo", "dapo", "vespo"]' in source and 'self.loss_type in ["grpo", "sapo"]' in source
+    assert "loss = (per_token_loss * mask).sum(-1).mean()" in source  # luspo
     assert "self.accelerator.reduce(" in source  # kept local by LocalGathers inside the bundle loop
     init = inspect.getsource(GRPOTrainer.__init__)
     for attr in ("self._metrics", "self.loss_type", "self.beta", "self.ref_model", "self.max_completion_length",
@@ -47,13 +50,15 @@ def _trl_loss(loss_type, mask, slices, per_token, num_items_in_batch=40.0):
     trl = torch.zeros((), dtype=torch.float64)
     for s in (0, 1):
         m, x = mask[slices == s].double(), per_token[slices == s].double()
-        if loss_type == "grpo":
+        if loss_type in ("grpo", "sapo"):
             loss = ((x * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean() / 2
+        elif loss_type == "luspo":
+            loss = (x * m).sum(-1).mean() / 2
         elif loss_type == "bnpo":
             loss = (x * m).sum() / m.sum().clamp(min=1.0) / 2
         elif loss_type == "dr_grpo":
             loss = (x * m).sum() / (x.size(0) * 8) / 2
-        else:
+        else:  # dapo, cispo, vespo
             loss = (x * m).sum() / (max(num_items_in_batch, 1.0) / 2 * 2 / 2)
         trl = trl + loss / 2  # gradients averaged over W = 2 ranks
     return trl
@@ -90,9 +95,9 @@ def test_sample_weights_at_the_clamps_and_with_unequal_microbatches(loss_type, n
 
 
 def test_an_unknown_loss_type_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"loss_type 'cispo' is not supported \(supported: \('dapo', 'grpo', 'bnpo', "
-                                         r"'dr_grpo'\)\)"):  # fmt: skip
-        _weights("cispo", torch.ones(2, 3), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"loss_type 'gxpo' is not supported \(supported: \('dapo', 'grpo', 'bnpo', "
+                                         r"'dr_grpo', 'luspo', 'cispo', 'vespo', 'sapo'\)\)"):  # fmt: skip
+        _weights("gxpo", torch.ones(2, 3), torch.tensor([0, 1]))
 
 
 def test_unbatch_collate_round_trip():
@@ -132,6 +137,7 @@ def test_collate_of_one_sample_and_of_every_key_trl_reads():
         return {"prompt_ids": torch.tensor(prompt), "completion_ids": torch.tensor(completion),
                 "completion_mask": torch.ones(n, dtype=torch.long), "tool_mask": torch.tensor(tool),
                 "old_per_token_logps": torch.full((n,), -1.5), "ref_per_token_logps": torch.full((n,), -2.0),
+                "importance_sampling_ratio": torch.full((n,), 0.5),
                 "advantages": torch.tensor(float(weight)), "weight": weight, "odc_slice": slice_}  # fmt: skip
 
     one = grpo_batch.collate([sample([5, 6], [7, 8, 9], 1, 0.125, [1, 0, 1])], pad_token_id=pad, device="cpu")
@@ -147,6 +153,8 @@ def test_collate_of_one_sample_and_of_every_key_trl_reads():
     assert two["completion_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] and two["tool_mask"].tolist() == [[1, 0, 1], [1, 0, 0]]
     assert two["old_per_token_logps"].tolist() == [[-1.5] * 3, [-1.5, 0.0, 0.0]]
     assert two["ref_per_token_logps"].tolist() == [[-2.0] * 3, [-2.0, -1e4, -1e4]]
+    # TRL's vLLM importance ratio in its padding columns (vespo sums its log over every column)
+    assert two["importance_sampling_ratio"].tolist() == [[0.5] * 3, [0.5, 1.0, 1.0]]
     assert two["odc_weight"].tolist() == [0.125, 0.5] and two["odc_slice"].tolist() == [1, 0]
     assert two["num_label_tokens"] == 3  # 2 + 1: the tool's token is not a label
     assert two["prompt_ids"].size(1) + two["completion_ids"].size(1) == 5  # odd: no multiple by default
@@ -177,16 +185,18 @@ def test_pack_padded_keeps_padded_microbatches_within_budget():  # more in test_
     assert all(len(p) * max(lengths[i] for i in p) <= 200 for p in parts)
 
 
-def test_unsupported_loss_type_is_refused_clearly(tmp_path):
+def test_a_loss_type_odc_hf_does_not_know_is_refused_clearly(tmp_path):
+    """Every loss type of the installed TRL is supported (the list above); TRL itself checks the name only when
+    its loss runs, so an unknown one (a newer TRL's, a typo) is refused by ODC at construction."""
     from trl import GRPOConfig
 
     from odc_hf import ODCGRPOTrainer
     from odc_hf.testing.data import default_tokenizer, tiny_qwen2_model
 
     tokenizer = default_tokenizer()
-    args = GRPOConfig(output_dir=str(tmp_path), loss_type="cispo", per_device_train_batch_size=4, num_generations=4,
+    args = GRPOConfig(output_dir=str(tmp_path), loss_type="gxpo", per_device_train_batch_size=4, num_generations=4,
                       report_to="none", bf16=False, max_completion_length=8)  # fmt: skip
-    with pytest.raises(ValueError, match="loss_type='cispo'"):
+    with pytest.raises(ValueError, match=r"ODCGRPOTrainer does not support loss_type='gxpo' \(supported: dapo, grpo"):
         ODCGRPOTrainer(model=tiny_qwen2_model(tokenizer), reward_funcs=lambda completions, **k: [0.0] * len(completions),
                        args=args, train_dataset=__import__("datasets").Dataset.from_list([{"prompt": "1+1="}] * 8),
                        processing_class=tokenizer)  # fmt: skip

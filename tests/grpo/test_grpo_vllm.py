@@ -274,6 +274,16 @@ def test_server_mode_and_tensor_parallel_engines_are_refused_before_anything_is_
         _refusal(tmp_path, vllm_mode="colocate", vllm_tensor_parallel_size=2)
     with pytest.raises(ImportError, match=r"odc_hf\[vllm\]"):
         _refusal(tmp_path, vllm_mode="colocate")
+    # vespo sums the log of TRL's importance ratio over every column, padding included, where TRL's ratio is that of
+    # no difference: bounds that exclude 1 make it depend on TRL's padded width. Refused; bounds around 1 pass on
+    # (to the missing vLLM).
+    with pytest.raises(ValueError, match=r"loss_type='vespo' with a token-level vLLM importance ratio whose bounds "
+                                         r"exclude 1 \(vllm_importance_sampling_clip_min=1.5"):  # fmt: skip
+        _refusal(tmp_path, vllm_mode="colocate", loss_type="vespo", vllm_importance_sampling_mode="token_truncate",
+                 vllm_importance_sampling_clip_min=1.5)  # fmt: skip
+    with pytest.raises(ImportError, match=r"odc_hf\[vllm\]"):
+        _refusal(tmp_path, vllm_mode="colocate", loss_type="vespo", vllm_importance_sampling_mode="token_mask",
+                 vllm_importance_sampling_clip_min=0.5)  # fmt: skip
 
 
 def test_vllm_version_policy_and_environment():

@@ -278,7 +278,8 @@ def build_model(out: Path, rank: int, *, eos_prone: bool = False):
 
 
 def run(trainer_name: str, out: Path, *, steps: int, sleep: bool, peft: bool, memory: float, length: int,
-        eos_prone: bool = False, importance_sampling: bool = True, importance_sampling_mode: str | None = None) -> dict:  # fmt: skip
+        eos_prone: bool = False, importance_sampling: bool = True, importance_sampling_mode: str | None = None,
+        loss_type: str = "dapo") -> dict:  # fmt: skip
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -301,7 +302,7 @@ def run(trainer_name: str, out: Path, *, steps: int, sleep: bool, peft: bool, me
     args = config_class(
         output_dir=str(out / "trainer"), max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         num_generations=GENERATIONS, max_completion_length=length, learning_rate=1e-3, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type="dapo", seed=0, logging_steps=1,
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, loss_type=loss_type, seed=0, logging_steps=1,
         save_strategy="no", report_to="none", bf16=False, use_cpu=STAND_IN, disable_tqdm=True, temperature=1.0,
         gradient_checkpointing=False, use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=memory,
         vllm_enable_sleep_mode=sleep, vllm_max_model_length=1024,
@@ -476,6 +477,7 @@ def main(argv=None) -> None:
     p.add_argument("--eos_prone", action="store_true", help="a model that ends completions early")
     p.add_argument("--no_importance_sampling", action="store_true",
                    help="vllm_importance_sampling_correction=False (TRL's correction for the engine's sampling)")
+    p.add_argument("--loss_type", default="dapo", help="GRPOConfig.loss_type")
     p.add_argument("--importance_sampling_mode", default=None,
                    help=f"vllm_importance_sampling_mode (default: TRL's; {TOKEN_IS} for engine_noise_bound)")
     a = p.parse_args(argv)
@@ -483,7 +485,7 @@ def main(argv=None) -> None:
     STAND_IN, NO_SYNC = a.stand_in, a.no_sync
     run(a.trainer, a.out, steps=a.steps, sleep=a.sleep, peft=a.peft, memory=a.gpu_memory_utilization,
         length=a.max_completion_length, eos_prone=a.eos_prone, importance_sampling=not a.no_importance_sampling,
-        importance_sampling_mode=a.importance_sampling_mode)  # fmt: skip
+        importance_sampling_mode=a.importance_sampling_mode, loss_type=a.loss_type)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -18,11 +18,19 @@ from odc_hf.balance.padded import padded_width
 from odc_hf.integrations.compute.attention import is_flash
 from odc_hf.integrations.trainer.bundle import Bundle
 
-__all__ = ["CUDA_PAD_TO_MULTIPLE_OF", "GRPOBundle", "PACKED_KEY", "SUPPORTED_LOSS_TYPES", "collate", "pack_rows",
+__all__ = ["CUDA_PAD_TO_MULTIPLE_OF", "GRPOBundle", "LOSS_CODE", "PACKED_KEY", "SUPPORTED_LOSS_TYPES", "collate", "pack_rows",
            "padded_columns_multiple",
            "sample_length", "sample_weights", "scatter_packed", "unbatch"]  # fmt: skip
 
-SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "luspo", "cispo", "vespo", "sapo")
+
+LOSS_CODE = {"dapo": "dapo", "grpo": "dapo", "bnpo": "dapo", "dr_grpo": "dapo", "luspo": "dapo",
+             "cispo": "cispo", "vespo": "vespo", "sapo": "sapo"}  # fmt: skip
+"""The loss type whose branch of TRL's ``_compute_loss`` computes an ODC microbatch's loss. The first five share
+TRL's per-token loss (the clipped importance ratio times the advantage) and differ only in their normalisers, which
+the sample weights carry: they run through the ``dapo`` branch, a weighted token sum. ``cispo`` and ``vespo`` have
+per-token losses of their own and already normalise as ``dapo`` (equal weights); ``sapo`` has its own per-token loss
+and ``grpo``'s per-sequence means (the trainer scales its branch's result: ``ODCGRPOTrainer.compute_loss``)."""
 
 # Keys of TRL's generation batch that this module knows how to split into samples and re-pad.
 _PER_TOKEN = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
@@ -30,8 +38,11 @@ _PER_TOKEN = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_p
 _KNOWN_KEYS = {"prompt_ids", "prompt_mask", "advantages", "num_items_in_batch", *_PER_TOKEN}
 # Padding of per-token values in masked columns. TRL evaluates exp(ref - logp) - (ref - logp) - 1 on every column
 # before masking: a reference log-prob of 0 overflows to inf (inf x 0 = NaN) where logp < -88; a very negative one
-# gives exp(...) = 0 and a finite term. (TRL's own batches hold real reference log-probs there.)
-_RIGHT_PAD = {"ref_per_token_logps": -1e4}
+# gives exp(...) = 0 and a finite term. (TRL's own batches hold real reference log-probs there.) TRL's vLLM importance
+# ratio is exp(0) = 1 in its padding columns (the log-prob difference is masked to 0 first), and ``vespo`` sums its
+# log over every column, padding included: padded with 1 here, it adds nothing, as in TRL (bounds that exclude 1 are
+# refused with vespo: grpo_config.refusals).
+_RIGHT_PAD = {"ref_per_token_logps": -1e4, "importance_sampling_ratio": 1.0}
 
 
 # -- the loss weights ------------------------------------------------------------------------------
@@ -55,6 +66,8 @@ def sample_weights(
     - ``bnpo``: token sum / the microbatch's tokens                     -> 1 / (T_slice * G * W)
     - ``dr_grpo``: token sum / (P * max_completion_length)              -> 1 / (P * max_completion_length * G * W)
     - ``dapo``: token sum / (global tokens / W * G / steps_per_generation) -> 1 / global tokens (G == S)
+    - ``luspo``: mean over the microbatch of each sequence's token sum  -> 1 / (P * G * W)
+    - ``cispo``, ``vespo``: as ``dapo``; ``sapo``: as ``grpo`` (their per-token losses differ: :data:`LOSS_CODE`)
 
     ``loss_mask`` is this rank's (B, T) loss mask, ``slice_of`` the (B,) microbatch index TRL gave each sample.
     """
@@ -62,14 +75,16 @@ def sample_weights(
     per_slice = torch.bincount(slice_of, minlength=num_slices)
     size = per_slice[slice_of].double()  # P of each sample's microbatch
     scale = float(num_slices * world_size)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return 1.0 / (tokens.clamp(min=1.0) * size * scale)
+    if loss_type == "luspo":
+        return 1.0 / (size * scale)
     if loss_type == "bnpo":
         slice_tokens = torch.zeros(num_slices, dtype=torch.float64).index_add_(0, slice_of, tokens)
         return 1.0 / (slice_tokens[slice_of].clamp(min=1.0) * scale)
     if loss_type == "dr_grpo":
         return 1.0 / (size * max_completion_length * scale)
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo", "vespo"):
         return torch.full_like(tokens, 1.0 / max(float(num_items_in_batch), 1.0))
     raise ValueError(f"loss_type {loss_type!r} is not supported (supported: {SUPPORTED_LOSS_TYPES})")
 

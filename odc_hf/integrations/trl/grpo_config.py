@@ -35,6 +35,16 @@ def refusals(args, grad_accum: int) -> list[str]:
     refuse = []
     if args.loss_type not in SUPPORTED_LOSS_TYPES:
         refuse.append(f"loss_type={args.loss_type!r} (supported: {', '.join(SUPPORTED_LOSS_TYPES)})")
+    if args.loss_type == "vespo" and args.use_vllm and args.vllm_importance_sampling_correction and (
+        args.vllm_importance_sampling_mode.startswith("token")
+        and not _admits_one(args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+    ):
+        refuse.append(
+            "loss_type='vespo' with a token-level vLLM importance ratio whose bounds exclude 1 "
+            f"(vllm_importance_sampling_clip_min={args.vllm_importance_sampling_clip_min}, clip_max="
+            f"{args.vllm_importance_sampling_clip_max}): TRL's vespo weights then depend on how many padding columns "
+            "its microbatch has, which ODC's microbatches do not reproduce; use bounds around 1 or a sequence-level mode"
+        )
     if args.steps_per_generation != grad_accum:
         refuse.append(
             f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps={grad_accum} "
@@ -61,6 +71,11 @@ def refusals(args, grad_accum: int) -> list[str]:
     if args.sync_ref_model:
         refuse.append("sync_ref_model=True (the ODC reference model is published once)")
     return refuse
+
+
+def _admits_one(low: float | None, high: float | None) -> bool:
+    """Whether a ratio of 1 (TRL's importance ratio in its padding columns) lies within the bounds."""
+    return (low is None or low <= 1.0) and (high is None or high >= 1.0)
 
 
 def check_arguments(args, grad_accum: int, peft_config=None) -> None:

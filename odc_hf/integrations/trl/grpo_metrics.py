@@ -5,9 +5,10 @@ completions of every rank's generation batch, ``g = 0 .. gradient_accumulation_s
 
 - ``kl`` (when ``beta != 0``), ``entropy``, ``clip_ratio/{low,high,region}_mean``: a masked token mean over slice
   ``g`` of *every* rank (one all-reduce of the sum and the token count: ``sum / max(count, 1)``, 0 when nothing is
-  unmasked; the mask is ``completion_mask * tool_mask``);
-- ``clip_ratio/low_min`` / ``clip_ratio/high_max``: the NaN-skipping min / max, over slice ``g``'s sequences of every
-  rank, of each sequence's masked mean (NaN when no sequence has an unmasked token);
+  unmasked; the mask is ``completion_mask * tool_mask``); ``cispo`` logs ``cispo_clip_ratio`` instead of the clip
+  ratios, ``vespo`` ``vespo/phi_seq_mean`` (a mean over sequences), ``sapo`` neither;
+- ``clip_ratio/low_min`` / ``clip_ratio/high_max`` (the clipped loss types): the NaN-skipping min / max, over slice
+  ``g``'s sequences of every rank, of each sequence's masked mean (NaN when no sequence has an unmasked token);
 
 and ``log()`` averages the values appended since the last log. So the logged ``kl`` is the mean over slices of
 per-slice token means, not a mean over the generation batch's tokens; a different split gives a different number.
@@ -31,9 +32,18 @@ CLIP_MEANS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_
 CLIP_EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")
 
 
-def mean_keys(beta: float) -> tuple[str, ...]:
-    """The masked-mean metrics, in the order ``_compute_loss`` reduces them."""
-    return (("kl",) if beta != 0.0 else ()) + ("entropy", *CLIP_MEANS)
+_LOSS_MEANS = {"dapo": CLIP_MEANS, "cispo": ("cispo_clip_ratio",), "vespo": ("vespo/phi_seq_mean",), "sapo": ()}
+
+
+def mean_keys(beta: float, loss_code: str = "dapo") -> tuple[str, ...]:
+    """The reduced (mean) metrics, in the order ``_compute_loss`` reduces them, for the branch ``loss_code`` of its
+    loss (:data:`~odc_hf.integrations.trl.grpo_batch.LOSS_CODE`)."""
+    return (("kl",) if beta != 0.0 else ()) + ("entropy", *_LOSS_MEANS[loss_code])
+
+
+def extreme_keys(loss_code: str = "dapo") -> tuple[str, ...]:
+    """The gathered min / max metrics of the branch ``loss_code`` (the clipped loss types' only)."""
+    return CLIP_EXTREMES if loss_code == "dapo" else ()
 
 
 class MetricRecorder:
@@ -63,17 +73,19 @@ class MetricRecorder:
 class SliceMetrics:
     """Per-slice sums for one optimizer step on one rank; :meth:`combine` merges every rank's."""
 
-    def __init__(self, num_slices: int, beta: float):
+    def __init__(self, num_slices: int, beta: float, loss_code: str = "dapo"):
         self.num_slices = num_slices
-        self.means = mean_keys(beta)
+        self.means = mean_keys(beta, loss_code)
+        self.extreme_keys = extreme_keys(loss_code)
         self.sums = torch.zeros(num_slices, len(self.means), 2, dtype=torch.float64)  # [sum, count]
-        self.extremes = torch.full((num_slices, 2), math.inf, dtype=torch.float64)  # [low_min, -high_max]
+        # [low_min, -high_max]
+        self.extremes = torch.full((num_slices, len(self.extreme_keys)), math.inf, dtype=torch.float64)
 
     def add(self, slice_index: int, recorder: MetricRecorder) -> None:
-        if len(recorder.reduced) != len(self.means) or len(recorder.gathered) != len(CLIP_EXTREMES):
+        if len(recorder.reduced) != len(self.means) or len(recorder.gathered) != len(self.extreme_keys):
             raise RuntimeError(
                 f"TRL's GRPO _compute_loss reduced {len(recorder.reduced)} and gathered {len(recorder.gathered)} "
-                f"metrics, odc_hf expects {len(self.means)} ({', '.join(self.means)}) and {len(CLIP_EXTREMES)}: "
+                f"metrics, odc_hf expects {len(self.means)} ({', '.join(self.means)}) and {len(self.extreme_keys)}: "
                 "its metric code changed (see TESTED_TRL in odc_hf/integrations/upstream/trl.py)"
             )
         for k, pair in enumerate(recorder.reduced):
@@ -90,11 +102,11 @@ class SliceMetrics:
         """Every rank's :meth:`vector` (rows) -> TRL's per-slice values of each metric, slices in order."""
         split = self.sums.numel()
         sums = gathered[:, :split].reshape(-1, *self.sums.shape).sum(0)
-        extremes = gathered[:, split:].reshape(-1, *self.extremes.shape).amin(0)
+        extremes = gathered[:, split:].reshape(gathered.size(0), *self.extremes.shape).amin(0)
         out: dict[str, list[float]] = {}
         for k, key in enumerate(self.means):
             out[key] = [float(s / max(float(c), 1.0)) for s, c in sums[:, k].tolist()]  # TRL: clamp(min=1.0)
-        for k, (key, sign) in enumerate(zip(CLIP_EXTREMES, (1.0, -1.0))):
+        for k, (key, sign) in enumerate(zip(self.extreme_keys, (1.0, -1.0))):
             out[key] = [sign * v if math.isfinite(v) else math.nan for v in extremes[:, k].tolist()]
         return out
 

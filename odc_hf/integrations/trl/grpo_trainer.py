@@ -55,6 +55,7 @@ from odc_hf.integrations.trainer.metrics import every_rank_values
 from odc_hf.integrations.trainer.mixin import ODCMixin
 from odc_hf.integrations.trainer.train_data import padded_worst_case, resolve_max_tokens
 from odc_hf.integrations.trl.grpo_batch import (
+    LOSS_CODE,
     PACKED_KEY,
     GRPOBundle,
     collate,
@@ -66,7 +67,7 @@ from odc_hf.integrations.trl.grpo_batch import (
     unbatch,
 )
 from odc_hf.integrations.trl.grpo_config import check_arguments, refusals
-from odc_hf.integrations.trl.grpo_metrics import CLIP_EXTREMES, MetricRecorder, SliceMetrics, mean_keys, rows
+from odc_hf.integrations.trl.grpo_metrics import MetricRecorder, SliceMetrics, rows
 from odc_hf.integrations.upstream.deprecations import quiet_upstream_deprecations
 from odc_hf.integrations.upstream.trl import (
     GRPOHooks,
@@ -275,15 +276,25 @@ class _GRPOPart:
         TRL's ``dapo`` branch computes ``sum(per_token_loss * mask) / normaliser`` with ``mask = completion_mask *
         tool_mask``. Passing ``tool_mask`` = the sample's weight relative to the smallest one (>= 1, so TRL's
         ``mask.sum().clamp(min=1)`` guards never bite) and a ``num_items_in_batch`` that makes the normaliser the
-        inverse of that smallest weight gives ``sum_i w_i * sum_t(per_token_loss * mask)``: every supported loss
-        type (same per-token loss in TRL, different normalisers) becomes this one weighted sum.
+        inverse of that smallest weight gives ``sum_i w_i * sum_t(per_token_loss * mask)``: every loss type with
+        that per-token loss (``LOSS_CODE``: different normalisers only) becomes this one weighted sum, and ``cispo``
+        and ``vespo`` (their own per-token losses, ``dapo``'s normaliser, equal weights) run their own branches the
+        same way. ``sapo``'s branch takes each sequence's token mean (a weight in the mask cancels there) and their
+        mean over the microbatch's B rows; its weights times the sequences' token counts are one value v (1 / (P x G
+        x W), TRL's microbatches all holding P rows), so its result times B x v is the weighted sum.
         """
         if "odc_weight" not in inputs:  # evaluation: TRL's own path
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         inputs = dict(inputs)
         self._odc_packed = inputs.pop(PACKED_KEY, None)
         slices = inputs.pop("odc_slice")
-        relative = (inputs.pop("odc_weight") / self.odc_weight_scale).float().unsqueeze(1)
+        weights = inputs.pop("odc_weight")
+        code = LOSS_CODE[self.loss_type]
+        scale = 1.0
+        if code == "sapo":
+            scale = self._odc_sequence_mean_scale(inputs, weights)
+            weights = torch.full_like(weights, self.odc_weight_scale)
+        relative = (weights / self.odc_weight_scale).float().unsqueeze(1)
         tool = inputs.get("tool_mask")
         weighted = dict(inputs, tool_mask=relative if tool is None else tool * relative)
         world = self.accelerator.num_processes
@@ -291,14 +302,26 @@ class _GRPOPart:
         inputs["num_items_in_batch"] = weighted["num_items_in_batch"] = torch.tensor(
             world * self.args.steps_per_generation / self.odc_weight_scale, dtype=torch.float32, device=relative.device
         )  # fmt: skip
-        loss_type, self.loss_type = self.loss_type, "dapo"
+        loss_type, self.loss_type = self.loss_type, code
         try:
             loss = super().compute_loss(model, weighted, return_outputs, num_items_in_batch)
             self._odc_recompute_metrics(model, inputs, slices)
         finally:
             self.loss_type = loss_type
             self._odc_forward = self._odc_packed = None
-        return loss
+        return loss * scale if scale != 1.0 else loss
+
+    def _odc_sequence_mean_scale(self, inputs: dict, weights: torch.Tensor) -> float:
+        """What turns ``sapo``'s branch (mean over the B rows of each sequence's token mean, over the accumulation
+        steps) into ``sum_i w_i * sum_t(per_token_loss * mask)``: B x v x accumulation steps, v = w_i x max(tokens_i,
+        1), the same for every sample (see :meth:`compute_loss`)."""
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        per_sequence = weights.to(mask.device) * mask.sum(-1).double().clamp(min=1.0)
+        v = float(per_sequence[0])
+        if not torch.allclose(per_sequence, torch.full_like(per_sequence, v), rtol=1e-12, atol=0.0):
+            raise RuntimeError(f"loss_type='sapo': sequences weigh {per_sequence.tolist()} in one microbatch; ODC "
+                               "expects TRL's microbatches to hold equally many sequences")  # fmt: skip
+        return float(per_sequence.numel()) * v * self.current_gradient_accumulation_steps
 
     def odc_per_token_logps_and_entropies(self, parent, model, input_ids, attention_mask, logits_to_keep, *args,
                                           **kwargs):  # fmt: skip
@@ -370,10 +393,10 @@ class _GRPOPart:
         return True
 
     def odc_before_bundle(self):
-        self.odc_slice_metrics = SliceMetrics(self.odc_folded_accumulation, self.beta)
+        self.odc_slice_metrics = slices = SliceMetrics(self.odc_folded_accumulation, self.beta, LOSS_CODE[self.loss_type])
         metrics = logged_metrics(self)
         router = ("aux_loss",) if self.aux_loss_enabled else ()
-        return {k: len(metrics[k]) for k in (*mean_keys(self.beta), *CLIP_EXTREMES, *router)}
+        return {k: len(metrics[k]) for k in (*slices.means, *slices.extreme_keys, *router)}
 
     def odc_after_bundle(self, snapshot, bundle) -> None:
         """Replace what TRL's ``_compute_loss`` appended per ODC microbatch by its per-slice values (one gather)."""
