@@ -39,6 +39,10 @@ def parse_args(argv=None):
         "--loss_type", default="dapo", help="dapo | grpo | bnpo | dr_grpo, or a comma-separated list"
     )
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient (> 0 adds a reference model)")
+    p.add_argument("--ref_model_sync_steps", type=int, default=0,
+                   help="with --beta: mix the policy into the reference model every N steps (TRL's sync_ref_model); "
+                        "0: never")  # fmt: skip
+    p.add_argument("--ref_model_mixup_alpha", type=float, default=0.6, help="the policy's share in that mix")
     p.add_argument("--num_prompts", type=int, default=256)
     p.add_argument("--num_generations", type=int, default=4)
     p.add_argument("--max_completion_length", type=int, default=48)
@@ -170,7 +174,8 @@ def train_one(args, loss_type: str, tokenizer, dataset):
         model_init_kwargs={"dtype": torch.bfloat16 if args.bf16 else torch.float32},
         disable_tqdm=True, temperature=1.0, per_device_eval_batch_size=args.per_device_train_batch_size,
         eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
-        eval_on_start=args.eval_on_start and bool(args.eval_steps),
+        eval_on_start=args.eval_on_start and bool(args.eval_steps), sync_ref_model=args.ref_model_sync_steps > 0,
+        ref_model_sync_steps=max(args.ref_model_sync_steps, 1), ref_model_mixup_alpha=args.ref_model_mixup_alpha,
     )  # fmt: skip
     kwargs = dict(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
                   processing_class=tokenizer)  # fmt: skip

@@ -138,6 +138,16 @@ class ODCHandle:
     def _device(self) -> torch.device:
         return self.units[0].slots[0].param.device
 
+    def reshard(self) -> None:
+        """Shard every unit again (FSDP2's public ``reshard()``; a no-op for a unit already sharded).
+
+        A forward without backward (an evaluation, a generation, a frozen model's scoring) leaves the units that do
+        not reshard after forward (FSDP2's root) gathered: their modules show whole parameters, not the sharded ones
+        that the optimizer, the clip and in-place updates of the shards must see, and hold the whole tensors in
+        memory until a backward reshards them (a frozen model has none)."""
+        for unit in self.units:
+            unit.module.reshard()
+
     @torch.no_grad()
     def finish_minibatch(self, local_tokens: float = 0.0) -> float:
         """End the minibatch: wait for every rank, fold the accumulators into the trainable ``param.grad``.
@@ -156,12 +166,9 @@ class ODCHandle:
                 if self.replicas is not None:  # the other nodes cannot see this node's control block
                     self.replicas.announce(str(err))
                 raise
-        # A forward without backward (an evaluation, a generation) leaves the units that do not reshard after forward
-        # (the root) gathered, their modules showing the unsharded parameters; on a rank that trained no microbatch
-        # since, no backward resharded them. The gradients below go to the sharded parameters, which the clip and
-        # the optimizer must see through the modules: reshard (a no-op for a unit already sharded).
-        for unit in self.units:
-            unit.module.reshard()
+        # The gradients below go to the sharded parameters, which the clip and the optimizer must see through the
+        # modules; on a rank that trained no microbatch since an evaluation or a generation, the root is gathered.
+        self.reshard()
         trainable = [u for u in self.units if not u.spec.gather_only]
         accumulators = [self._accumulator(u) for u in trainable]
         if self.replicas is not None:

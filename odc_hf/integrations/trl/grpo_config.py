@@ -68,8 +68,6 @@ def refusals(args, grad_accum: int) -> list[str]:
         refuse.append("an entropy bonus (entropy_coef / use_adaptive_entropy): it is normalised per microbatch")
     if args.top_entropy_quantile < 1.0:
         refuse.append("top_entropy_quantile < 1 (its quantile is gathered across ranks per microbatch)")
-    if args.sync_ref_model:
-        refuse.append("sync_ref_model=True (the ODC reference model is published once)")
     return refuse
 
 

@@ -44,6 +44,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict
 
@@ -81,6 +82,20 @@ from odc_hf.integrations.vllm.weights import LoraMerge
 logger = logging.getLogger(__name__)
 
 
+class _PublishSyncedReference(TrainerCallback):
+    """``sync_ref_model=True``: TRL's ``SyncRefModelCallback`` mixes the policy into the reference model's
+    parameters at the end of every ``ref_model_sync_steps``-th step (``ref = (1 - alpha) ref + alpha policy``, shard
+    by shard: both are sharded alike). Peers' gathers of the reference read its published shards, so they are
+    published again right after (this callback is added after TRL's)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            self.handle.publish()
+
+
 class _GRPOPart:
     """The GRPO specifics on top of :class:`ODCMixin`; see the module docstring."""
 
@@ -109,6 +124,8 @@ class _GRPOPart:
         self.odc_bundle: GRPOBundle | None = None
         self.odc_plan_summary: dict = {}
         self.odc_ref = self._odc_install_ref() if self.ref_model is not None else None
+        if self.odc_ref is not None and self.args.sync_ref_model:
+            self.add_callback(_PublishSyncedReference(self.odc_ref))  # after TRL's SyncRefModelCallback
         self.odc_slice_metrics: SliceMetrics | None = None
         self._odc_forward: tuple | None = None  # (log-probs, entropies) of the last training forward
         self._odc_replay: tuple | None = None  # what _get_per_token_logps_and_entropies returns while recomputing
@@ -149,7 +166,8 @@ class _GRPOPart:
         return attention.is_flash or (attention.is_varlen and self.accelerator.device.type != "cuda")
 
     def _odc_install_ref(self):
-        """Put the (frozen, never updated) reference model on ODC too: its no-grad forwards gather one-sidedly."""
+        """Put the (frozen) reference model on ODC too: its no-grad forwards gather one-sidedly. Published here, and
+        again after each of TRL's reference syncs (``sync_ref_model``: :class:`_PublishSyncedReference`)."""
         if self.accelerator.num_processes < 2:
             return None
         ref = self.ref_model
@@ -158,7 +176,7 @@ class _GRPOPart:
             shard_model(ref)
         config = self.odc_config
         return install_odc(ref, timeout_s=config.timeout_s, shm_dir=config.shm_dir, peer_memory=config.cuda_peer_memory,
-                           deterministic=config.deterministic)  # published once, for good
+                           deterministic=config.deterministic)
 
     # -- data: one dataloader batch (this rank's part of a generation batch) per optimizer step --------------
     def get_train_dataloader(self):
@@ -232,6 +250,8 @@ class _GRPOPart:
         """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
         with self._odc_users_arguments(), quiet_upstream_deprecations(), self._odc_generate_without_lockstep():
             batch = generate_and_score_completions(self, inputs)
+        if self.odc_ref is not None:  # its scoring forwards left its root gathered (whole tensors, until resharded)
+            self.odc_ref.reshard()
         # The microbatches TRL would train on: its shuffle (same RNG draw, so runs stay comparable) and split.
         batch = shuffle_sequence_dict(batch)
         num_slices, size = self.odc_folded_accumulation, batch["completion_ids"].size(0)
