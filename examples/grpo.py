@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--per_device_train_batch_size", type=int, default=4)
     p.add_argument("--gradient_accumulation_steps", type=int, default=2)
     p.add_argument("--num_iterations", type=int, default=1)
+    p.add_argument("--steps_per_generation", type=int, default=None,
+                   help="microbatches of gradient_accumulation_steps each generation batch spans (TRL's; default: one "
+                        "optimizer step, gradient_accumulation_steps)")  # fmt: skip
     p.add_argument("--epsilon", type=float, default=0.2, help="PPO clipping range (TRL's epsilon)")
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--output_dir", default="output/grpo")
@@ -168,6 +171,7 @@ def train_one(args, loss_type: str, tokenizer, dataset):
         output_dir=str(output_dir), max_steps=args.max_steps, per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, num_iterations=args.num_iterations, epsilon=args.epsilon,
+        steps_per_generation=args.steps_per_generation,
         learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, beta=args.beta, loss_type=loss_type, seed=args.seed, logging_steps=1,
         save_strategy="no", report_to=args.report_to, bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,

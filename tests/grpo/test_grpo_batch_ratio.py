@@ -20,7 +20,7 @@ def test_a_one_token_completion_keeps_its_token_level_importance_ratio():
         "completion_mask": torch.tensor([[1, 0, 0], [1, 1, 1]]),
         "advantages": torch.tensor([0.5, -0.5]),
     }
-    token_level = torch.tensor([[0.9, 0.0, 0.0], [1.1, 1.2, 1.3]])  # masked columns as collate pads them
+    token_level = torch.tensor([[0.9, 1.0, 1.0], [1.1, 1.2, 1.3]])  # masked columns: TRL's ratio there, exp(0)
     sequence_level = torch.tensor([[0.9], [1.1]])
     for ratio in (token_level, sequence_level):
         samples = unbatch({**batch, "importance_sampling_ratio": ratio}, torch.ones(2))

@@ -106,3 +106,32 @@ def test_odc_grpo_evaluates_as_trl(runs, plan):
         for a, b in zip(odc, trl):
             assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=0, abs=1e-6), (loss_type, a, b)
         assert_same_metrics(odc, trl, rel=1e-4, abs=1e-6, skip=("eval_loss", *timing))
+
+
+@pytest.fixture(scope="module")
+def several_steps_per_generation(tmp_path_factory):
+    """TRL's steps_per_generation = 2 x gradient_accumulation_steps: each generation batch (twice a step's samples)
+    trains two optimizer steps, its first and second halves after TRL's shuffle, each with TRL's normalisers of a
+    step (dapo: the generation batch's tokens, rescaled to a step)."""
+    tmp = tmp_path_factory.mktemp("grpo_steps_per_generation")
+    common = [*COMMON[:COMMON.index("--eval_steps")], "--steps_per_generation", "4", "--loss_type", "dapo,grpo,bnpo"]
+    quadratic = tmp / "quadratic.json"
+    quadratic.write_text(json.dumps(QUADRATIC))
+    return {"odc": grpo_run(tmp / "odc", *common, "--trainer", "odc", "--balance", "lb_mini",
+                            "--max_tokens_per_microbatch", "64", "--cost_model", str(quadratic)),
+            "trl": grpo_run(tmp / "trl", *common, "--trainer", "trl")}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo"])
+def test_a_generation_batch_of_several_steps_trains_as_trls(several_steps_per_generation, loss_type):
+    from test_grpo_metrics import assert_same_metrics
+
+    odc, trl = (several_steps_per_generation[k][loss_type] for k in ("odc", "trl"))
+    assert len(odc["history"]) == len(trl["history"]) == 4
+    # a generation every 2 steps: its metrics (rewards) logged at steps 1 and 3 only, by both
+    assert [("reward" in h) for h in trl["history"]] == [True, False, True, False], trl["history"]
+    for a, b in zip(odc["history"], trl["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+    assert_same_metrics(odc["history"], trl["history"], rel=1e-5, abs=1e-7, skip=("loss", "grad_norm"))

@@ -94,6 +94,38 @@ def test_sample_weights_at_the_clamps_and_with_unequal_microbatches(loss_type, n
         assert weights[3].item() == pytest.approx(1 / 4)
 
 
+@pytest.mark.parametrize("loss_type", grpo_batch.SUPPORTED_LOSS_TYPES)
+def test_sample_weights_of_a_generation_batch_that_spans_two_steps(loss_type):
+    """steps_per_generation S = 4 slices of 2 samples, gradient_accumulation_steps G = 2: optimizer step k trains
+    slices 2k and 2k + 1, each divided by G (not S); dapo's normaliser is the generation batch's tokens rescaled to a
+    step (N / W x G / S). Each step's weighted sum equals TRL's loss of that step, averaged over W = 2 ranks."""
+    torch.manual_seed(1)
+    mask = (torch.rand(8, 6) < 0.7).long()
+    slices = torch.arange(8) // 2
+    per_token = torch.randn(8, 6).double()
+    n_items = 50.0  # the generation batch's completion tokens, all ranks
+    weights = grpo_batch.sample_weights(mask, slices, loss_type=loss_type, num_slices=4, accumulation=2, world_size=2,
+                                        max_completion_length=6, num_items_in_batch=n_items)  # fmt: skip
+    for step in (0, 1):
+        trl = torch.zeros((), dtype=torch.float64)
+        for g in (2 * step, 2 * step + 1):
+            m, x = mask[slices == g].double(), per_token[slices == g]
+            if loss_type in ("grpo", "sapo"):
+                loss = ((x * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean() / 2
+            elif loss_type == "luspo":
+                loss = (x * m).sum(-1).mean() / 2
+            elif loss_type == "bnpo":
+                loss = (x * m).sum() / m.sum().clamp(min=1.0) / 2
+            elif loss_type == "dr_grpo":
+                loss = (x * m).sum() / (x.size(0) * 6) / 2
+            else:
+                loss = (x * m).sum() / (n_items / 2 * 2 / 4)
+            trl = trl + loss / 2
+        rows = slices // 2 == step
+        ours = (weights[rows].unsqueeze(1) * per_token[rows] * mask[rows]).sum()
+        torch.testing.assert_close(ours, trl)
+
+
 def test_an_unknown_loss_type_is_refused_by_name():
     with pytest.raises(ValueError, match=r"loss_type 'gxpo' is not supported \(supported: \('dapo', 'grpo', 'bnpo', "
                                          r"'dr_grpo', 'luspo', 'cispo', 'vespo', 'sapo'\)\)"):  # fmt: skip

@@ -52,20 +52,21 @@ def sample_weights(
     *,
     loss_type: str,
     num_slices: int,
+    accumulation: int | None = None,
     world_size: int,
     max_completion_length: int,
     num_items_in_batch: float,
 ) -> torch.Tensor:
     """Per-sample weight w such that TRL's loss equals sum over samples of w * sum_t(per_token_loss * mask).
 
-    TRL (collectives) on every rank splits its generation batch into ``num_slices`` (= G, the accumulation steps)
-    microbatches of P samples, divides each microbatch's loss as below and by G, and the gradient is averaged over
-    the W ranks:
+    TRL (collectives) on every rank splits its generation batch into ``num_slices`` (S, ``steps_per_generation``)
+    microbatches of P samples, of which each optimizer step trains ``accumulation`` (G, the accumulation steps;
+    default S), divides each microbatch's loss as below and by G, and the gradient is averaged over the W ranks:
 
     - ``grpo``: mean over the microbatch of each sequence's token mean -> 1 / (len_i * P * G * W)
     - ``bnpo``: token sum / the microbatch's tokens                     -> 1 / (T_slice * G * W)
     - ``dr_grpo``: token sum / (P * max_completion_length)              -> 1 / (P * max_completion_length * G * W)
-    - ``dapo``: token sum / (global tokens / W * G / steps_per_generation) -> 1 / global tokens (G == S)
+    - ``dapo``: token sum / (global tokens / W * G / S)                  -> S / (global tokens * G)
     - ``luspo``: mean over the microbatch of each sequence's token sum  -> 1 / (P * G * W)
     - ``cispo``, ``vespo``: as ``dapo``; ``sapo``: as ``grpo`` (their per-token losses differ: :data:`LOSS_CODE`)
 
@@ -74,7 +75,8 @@ def sample_weights(
     tokens = loss_mask.sum(-1).double()
     per_slice = torch.bincount(slice_of, minlength=num_slices)
     size = per_slice[slice_of].double()  # P of each sample's microbatch
-    scale = float(num_slices * world_size)
+    accumulation = num_slices if accumulation is None else accumulation
+    scale = float(accumulation * world_size)
     if loss_type in ("grpo", "sapo"):
         return 1.0 / (tokens.clamp(min=1.0) * size * scale)
     if loss_type == "luspo":
@@ -85,7 +87,7 @@ def sample_weights(
     if loss_type == "dr_grpo":
         return 1.0 / (size * max_completion_length * scale)
     if loss_type in ("dapo", "cispo", "vespo"):
-        return torch.full_like(tokens, 1.0 / max(float(num_items_in_batch), 1.0))
+        return torch.full_like(tokens, num_slices / (max(float(num_items_in_batch), 1.0) * accumulation))
     raise ValueError(f"loss_type {loss_type!r} is not supported (supported: {SUPPORTED_LOSS_TYPES})")
 
 

@@ -45,10 +45,11 @@ def refusals(args, grad_accum: int) -> list[str]:
             f"{args.vllm_importance_sampling_clip_max}): TRL's vespo weights then depend on how many padding columns "
             "its microbatch has, which ODC's microbatches do not reproduce; use bounds around 1 or a sequence-level mode"
         )
-    if args.steps_per_generation != grad_accum:
+    if args.steps_per_generation % grad_accum:
         refuse.append(
-            f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps={grad_accum} "
-            "(ODC trains one generation batch per optimizer step)"
+            f"steps_per_generation={args.steps_per_generation}, not a multiple of gradient_accumulation_steps="
+            f"{grad_accum} (an optimizer step of TRL's would then span two generation batches; ODC trains a "
+            "generation batch in whole optimizer steps)"
         )
     if args.use_vllm and args.vllm_mode != "colocate":
         refuse.append(

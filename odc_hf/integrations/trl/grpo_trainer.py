@@ -1,7 +1,8 @@
 """TRL GRPO with ODC: ``ODCGRPOTrainer`` (its arguments: ``ODCGRPOConfig``, ``odc_hf.integrations.trl.grpo_config``).
 
 One optimizer step of TRL's ``GRPOTrainer`` (``steps_per_generation == gradient_accumulation_steps``, TRL's
-default) trains on one generation batch, split on every rank into ``gradient_accumulation_steps`` padded
+default; a multiple of it spreads a generation batch over several steps, each of the same shape) trains on one
+generation batch, split on every rank into ``gradient_accumulation_steps`` padded
 microbatches of ``per_device_train_batch_size`` completions; under FSDP collectives the rank holding the longest
 completions sets the pace of every layer of every microbatch. Here, per generation:
 
@@ -120,8 +121,10 @@ class _GRPOPart:
         if self.use_vllm:  # TRL's engine, ODC's weight sync (odc_hf/integrations/vllm/sync.py)
             adopt_generation(self.vllm_generation, self._odc_full_weights, self._odc_lora_merge())
         self.odc_generation_steps = 0  # optimizer steps trained since the last generation
+        # optimizer steps one generation batch spans (TRL's steps_per_generation / gradient_accumulation_steps)
+        self.odc_steps_per_generation = self.args.steps_per_generation // self.odc_folded_accumulation
+        self.odc_bundles: list[tuple[GRPOBundle, dict]] = []  # per step of the generation: its bundle, its plan
         self.odc_root_initialised = False  # see _odc_generate_without_lockstep
-        self.odc_bundle: GRPOBundle | None = None
         self.odc_plan_summary: dict = {}
         self.odc_ref = self._odc_install_ref() if self.ref_model is not None else None
         if self.odc_ref is not None and self.args.sync_ref_model:
@@ -191,7 +194,9 @@ class _GRPOPart:
             data_source=self.train_dataset if dataset is None else dataset,
             mini_repeat_count=self.num_generations,
             batch_size=self.args.generation_batch_size // self.num_generations,
-            repeat_count=self.num_iterations,  # TRL: num_iterations * steps_per_generation microsteps
+            # TRL: num_iterations * steps_per_generation microsteps, of which an optimizer step takes
+            # gradient_accumulation_steps
+            repeat_count=self.num_iterations * self.odc_steps_per_generation,
             shuffle=self.shuffle_dataset,
             seed=self.args.seed,
         )
@@ -205,11 +210,15 @@ class _GRPOPart:
     # -- one optimizer step ---------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         model.train()  # as Trainer.training_step does before TRL's _prepare_inputs: TRL reads the mode from it
-        if self.odc_bundle is None or self.odc_generation_steps % self.num_iterations == 0:
-            self.odc_bundle = self.odc_generate_and_plan(inputs)
+        # TRL trains a generation batch's steps_per_generation slices in order, num_iterations times over: step t after
+        # the generation trains its part t mod (steps_per_generation / gradient_accumulation_steps)
+        period = self.num_iterations * self.odc_steps_per_generation
+        if not self.odc_bundles or self.odc_generation_steps % period == 0:
+            self.odc_bundles = self.odc_generate_and_plan(inputs)
             self.odc_generation_steps = 0
+        bundle, self.odc_plan_summary = self.odc_bundles[self.odc_generation_steps % self.odc_steps_per_generation]
         self.odc_generation_steps += 1
-        return super().training_step(model, self.odc_bundle, num_items_in_batch)
+        return super().training_step(model, bundle, num_items_in_batch)
 
     @contextlib.contextmanager
     def _odc_generate_without_lockstep(self):
@@ -246,29 +255,41 @@ class _GRPOPart:
             if bypassed:
                 root.reshard()
 
-    def odc_generate_and_plan(self, inputs) -> GRPOBundle:
-        """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle."""
+    def odc_generate_and_plan(self, inputs) -> list[tuple[GRPOBundle, dict]]:
+        """Generate and score this rank's prompts, exchange the samples once, return this rank's bundle (and the plan's
+        summary) for each optimizer step the generation batch spans."""
         with self._odc_users_arguments(), quiet_upstream_deprecations(), self._odc_generate_without_lockstep():
             batch = generate_and_score_completions(self, inputs)
         if self.odc_ref is not None:  # its scoring forwards left its root gathered (whole tensors, until resharded)
             self.odc_ref.reshard()
         # The microbatches TRL would train on: its shuffle (same RNG draw, so runs stay comparable) and split.
         batch = shuffle_sequence_dict(batch)
-        num_slices, size = self.odc_folded_accumulation, batch["completion_ids"].size(0)
+        num_slices, size = self.args.steps_per_generation, batch["completion_ids"].size(0)
+        accumulation = self.odc_folded_accumulation
         slice_of = torch.arange(size) // max(1, size // num_slices)
         loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
         weights = sample_weights(loss_mask.cpu(), slice_of, loss_type=self.loss_type, num_slices=num_slices,
-                                 world_size=self.accelerator.num_processes,
+                                 accumulation=accumulation, world_size=self.accelerator.num_processes,
                                  max_completion_length=self.max_completion_length,
                                  num_items_in_batch=float(batch["num_items_in_batch"]))  # fmt: skip
         local = unbatch(batch, weights)
         for sample, g in zip(local, slice_of.tolist()):
-            sample["odc_slice"] = g  # the TRL microbatch it belongs to: TRL's metrics are defined per slice
+            # the optimizer step of the generation that trains it, and its TRL microbatch (slice) within that step:
+            # TRL's metrics are defined per slice
+            sample["odc_step"], sample["odc_slice"] = divmod(g, accumulation)
         gathered: list = [local]
         if self.accelerator.num_processes > 1:  # one process: no process group, nothing to exchange
             gathered = [None] * self.accelerator.num_processes
             dist.all_gather_object(gathered, local)  # the one exchange per generation
-        samples = [s for part in gathered for s in part]
+        steps: list[list[dict]] = [[] for _ in range(self.odc_steps_per_generation)]
+        for part in gathered:
+            for sample in part:
+                steps[sample.pop("odc_step")].append(sample)
+        self.odc_weight_scale = min(s["weight"] for step in steps for s in step)  # relative weights >= 1: compute_loss
+        return [self._odc_plan_step(samples) for samples in steps]
+
+    def _odc_plan_step(self, samples: list[dict]) -> tuple[GRPOBundle, dict]:
+        """One optimizer step's samples (every rank's) -> this rank's bundle of planned microbatches, the summary."""
         lengths = [sample_length(s) for s in samples]
         packed = self.odc_grpo_packed
         # the cuDNN NaN workaround (CUDA_PAD_TO_MULTIPLE_OF) concerns masked padded rows on cuDNN only
@@ -284,11 +305,10 @@ class _GRPOPart:
             plan = plan_padded(lengths, world, max_tokens_per_microbatch, self._odc_cost_model(), balance,
                                prompts=prompts, multiple=multiple)  # fmt: skip
         mine = [mb for mb in plan.for_rank(rank) if mb]
-        self.odc_plan_summary = plan.summary()
-        self.odc_weight_scale = min(s["weight"] for s in samples)  # relative weights >= 1 (see compute_loss)
         pad = getattr(self.processing_class, "tokenizer", self.processing_class).pad_token_id
-        return GRPOBundle([collate([samples[i] for i in mb], pad, "cpu", pad_to_multiple_of=multiple, packed=packed)
-                           for mb in mine])  # fmt: skip
+        bundle = GRPOBundle([collate([samples[i] for i in mb], pad, "cpu", pad_to_multiple_of=multiple, packed=packed)
+                             for mb in mine])  # fmt: skip
+        return bundle, plan.summary()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss on one ODC microbatch, each sample weighted as the collective trainer weighs it.
