@@ -75,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--fixed_rollouts", action="store_true", help="deterministic completions instead of generate()"
     )
+    p.add_argument("--tool_outputs", action="store_true",
+                   help="with --fixed_rollouts: mark a span of each longer completion as a tool's output (TRL's "
+                        "env_mask: not trained on, as in multi-turn rollouts)")  # fmt: skip
     # ODC options (also settable as ODC_* environment variables)
     p.add_argument("--balance", choices=["lb_mini", "lb_micro", "none"], default=None)
     p.add_argument("--cost_model", default=None, help="flop | tokens | calibration.json")
@@ -113,9 +116,11 @@ def arithmetic_reward(completions, answer, **kwargs) -> list[float]:
     return rewards
 
 
-def fixed_rollouts(tokenizer, max_completion_length: int):
+def fixed_rollouts(tokenizer, max_completion_length: int, tool_outputs: bool = False):
     """A TRL ``rollout_func``: completions that depend only on the prompt (and its repeat index), with lengths
-    drawn from a long-tailed mix (short right answers, long wrong ones) and an eos at the end of short ones."""
+    drawn from a long-tailed mix (short right answers, long wrong ones) and an eos at the end of short ones.
+    ``tool_outputs``: in each completion of more than 6 tokens, the quarter that starts at its first third is marked
+    as a tool's output (TRL's ``env_mask`` 0: not trained on, as in multi-turn rollouts)."""
     eos = tokenizer.eos_token_id
 
     def rollout(prompts, trainer):
@@ -130,7 +135,11 @@ def fixed_rollouts(tokenizer, max_completion_length: int):
                 ids[-1] = eos
             prompt_ids.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
             completion_ids.append(ids)
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+        out = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+        if tool_outputs:
+            out["env_mask"] = [[int(not (n > 6 and n // 3 <= j < n // 3 + n // 4)) for j in range(n)]
+                               for n in map(len, completion_ids)]  # fmt: skip
+        return out
 
     return rollout
 
@@ -194,7 +203,7 @@ def train_one(args, loss_type: str, tokenizer, dataset):
     # start from the same adapter.
     torch.manual_seed(args.seed)
     if args.fixed_rollouts:
-        kwargs["rollout_func"] = fixed_rollouts(tokenizer, args.max_completion_length)
+        kwargs["rollout_func"] = fixed_rollouts(tokenizer, args.max_completion_length, args.tool_outputs)
     if args.trainer == "odc":
         odc_config = ODCConfig.from_env(balance=args.balance, cost_model=args.cost_model,
                                         max_tokens_per_microbatch=args.max_tokens_per_microbatch,

@@ -6,7 +6,8 @@ rollouts, on a layout other than tests/grpo/test_grpo_parity.py's (which compare
 second iteration per generation and a small clipping range so that the clip ratios are not all zero, and the reference
 model synced with the policy after every step (TRL's ``sync_ref_model``: without ODC publishing the synced shards, the
 peers' gathers read the old reference and ``kl`` differed from step 3 on: measured 0.0015 against TRL's 0.00037 with
-``--epsilon 0.05``)."""
+``--epsilon 0.05``), and spans of the completions marked as tools' outputs (TRL's ``env_mask``, its ``tool_mask``: the
+multi-turn rollouts' mask, which every loss type and metric reads beside ODC's weights)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def launch(tmp_path: Path, name: str, *extra: str) -> dict:
     return grpo_run(tmp_path / name, "--fixed_rollouts", "--max_steps", "4", "--loss_type", ",".join(LOSS_TYPES),
                     "--beta", "0.05", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
                     "--max_completion_length", "48", "--num_iterations", "2", "--epsilon", "0.001",
-                    "--ref_model_sync_steps", "1", "--ref_model_mixup_alpha", "0.5", *extra)  # fmt: skip
+                    "--ref_model_sync_steps", "1", "--ref_model_mixup_alpha", "0.5", "--tool_outputs", *extra)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
