@@ -275,3 +275,27 @@ def test_a_hooked_method_trl_removed_is_found_below_odc_hfs_hooks():
     hooked = type("Hooked", (ODCMixin, trl_version.GRPOHooks, lost), {})
     assert callable(hooked._get_train_sampler)  # the hook alone would satisfy a plain lookup
     assert missing_upstream_methods(hooked, trl_version.GRPO_PRIVATE_METHODS) == ["_get_train_sampler"]
+
+
+def test_what_the_grpo_arguments_refuse_and_accept(tmp_path):
+    """steps_per_generation a multiple of the accumulation steps and sync_ref_model are trained (test_grpo_parity.py,
+    test_grpo_metrics.py); a generation batch that ends inside an optimizer step, an entropy bonus and a quantile
+    mask are refused by name."""
+    from trl import GRPOConfig
+
+    from odc_hf.integrations.trl.grpo_config import refusals
+
+    def args(**changes):
+        return GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_train_batch_size=4,
+                          num_generations=4, gradient_accumulation_steps=2, **changes)  # fmt: skip
+
+    assert refusals(args(steps_per_generation=4), 2) == []
+    assert refusals(args(sync_ref_model=True, beta=0.1), 2) == []
+    assert refusals(args(loss_type="sapo"), 2) == []
+    assert refusals(args(steps_per_generation=3), 2) == [
+        "steps_per_generation=3, not a multiple of gradient_accumulation_steps=2 (an optimizer step of TRL's would "
+        "then span two generation batches; ODC trains a generation batch in whole optimizer steps)"
+    ]
+    assert [r.split(":")[0] for r in refusals(args(entropy_coef=0.01, top_entropy_quantile=0.5), 2)] == [
+        "an entropy bonus (entropy_coef / use_adaptive_entropy)", "top_entropy_quantile < 1 (its quantile is gathered "
+        "across ranks per microbatch)"]  # fmt: skip
