@@ -66,6 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--untied_lm_head", action="store_true",
                    help="tiny model only: an lm_head of its own (Llama / Mistral style) instead of the tied embedding")
     p.add_argument("--report_to", default="none")
+    p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0: never)")
+    p.add_argument("--resume_from_checkpoint", default=None,
+                   help="true / last: the newest checkpoint in the loss type's output folder; or a checkpoint folder "
+                        "(a name such as checkpoint-2 is looked up in that output folder)")  # fmt: skip
     p.add_argument("--eval_steps", type=int, default=0,
                    help="evaluate every N steps on 8 held-out prompts (TRL's evaluation: generation + loss); 0: never")
     p.add_argument("--eval_on_start", action="store_true", help="with --eval_steps: also evaluate before step 1")
@@ -183,7 +187,8 @@ def train_one(args, loss_type: str, tokenizer, dataset):
         steps_per_generation=args.steps_per_generation,
         learning_rate=args.learning_rate, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, beta=args.beta, loss_type=loss_type, seed=args.seed, logging_steps=1,
-        save_strategy="no", report_to=args.report_to, bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        report_to=args.report_to, bf16=args.bf16, gradient_checkpointing=args.gradient_checkpointing,
         model_init_kwargs={"dtype": torch.bfloat16 if args.bf16 else torch.float32},
         disable_tqdm=True, temperature=1.0, per_device_eval_batch_size=args.per_device_train_batch_size,
         eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
@@ -211,7 +216,12 @@ def train_one(args, loss_type: str, tokenizer, dataset):
         trainer = ODCGRPOTrainer(**kwargs, odc_config=odc_config)
     else:
         trainer = GRPOTrainer(**kwargs)
-    trainer.train()
+    resume = args.resume_from_checkpoint
+    if resume is not None and resume.lower() in ("true", "last"):
+        resume = True
+    elif resume is not None and (output_dir / resume).is_dir():
+        resume = str(output_dir / resume)
+    trainer.train(resume_from_checkpoint=resume)
     if args.trainer == "trl":  # TRL's own trainer: the gloo exit guard the ODC trainers register themselves
         destroy_gloo_group_at_exit()
     history = [h for h in trainer.state.log_history if "loss" in h]
