@@ -43,6 +43,10 @@ def parse_args(argv=None):
                    help="with --beta: mix the policy into the reference model every N steps (TRL's sync_ref_model); "
                         "0: never")  # fmt: skip
     p.add_argument("--ref_model_mixup_alpha", type=float, default=0.6, help="the policy's share in that mix")
+    p.add_argument("--entropy_coef", type=float, default=0.0, help="TRL's entropy bonus coefficient (0: none)")
+    p.add_argument("--use_adaptive_entropy", action="store_true",
+                   help="TRL's adaptive entropy coefficient (raised while the entropy is below --entropy_target)")
+    p.add_argument("--entropy_target", type=float, default=0.2, help="with --use_adaptive_entropy")
     p.add_argument("--num_prompts", type=int, default=256)
     p.add_argument("--num_generations", type=int, default=4)
     p.add_argument("--max_completion_length", type=int, default=48)
@@ -194,6 +198,8 @@ def train_one(args, loss_type: str, tokenizer, dataset):
         eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
         eval_on_start=args.eval_on_start and bool(args.eval_steps), sync_ref_model=args.ref_model_sync_steps > 0,
         ref_model_sync_steps=max(args.ref_model_sync_steps, 1), ref_model_mixup_alpha=args.ref_model_mixup_alpha,
+        entropy_coef=args.entropy_coef, use_adaptive_entropy=args.use_adaptive_entropy,
+        entropy_target=args.entropy_target,
     )  # fmt: skip
     kwargs = dict(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
                   processing_class=tokenizer)  # fmt: skip

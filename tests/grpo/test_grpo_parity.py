@@ -135,3 +135,40 @@ def test_a_generation_batch_of_several_steps_trains_as_trls(several_steps_per_ge
         assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
     assert_same_metrics(odc["history"], trl["history"], rel=1e-5, abs=1e-7, skip=("loss", "grad_norm"))
+
+
+@pytest.fixture(scope="module")
+def entropy_bonus(tmp_path_factory):
+    """TRL's entropy bonus, static (dapo, grpo) and adaptive (bnpo, sapo: the coefficient starts at 0.01 and is
+    applied from step 2, raised by 0.005 while the step's mean entropy, ~8.3 nats here, stays below the target 9),
+    on the uneven plan (quadratic costs: ranks run 3 and 4 microbatches) against TRL."""
+    tmp = tmp_path_factory.mktemp("grpo_entropy_bonus")
+    quadratic = tmp / "quadratic.json"
+    quadratic.write_text(json.dumps(QUADRATIC))
+    base = [*COMMON[:COMMON.index("--eval_steps")], "--num_iterations", "2", "--epsilon", "0.05"]
+    odc = ["--trainer", "odc", "--balance", "lb_mini", "--max_tokens_per_microbatch", "64", "--cost_model", str(quadratic)]
+    runs = {}
+    for name, extra in (("static", ["--loss_type", "dapo,grpo", "--entropy_coef", "0.01"]),
+                        ("adaptive", ["--loss_type", "bnpo,sapo", "--entropy_coef", "0.01", "--use_adaptive_entropy",
+                                      "--entropy_target", "9.0"])):  # fmt: skip
+        runs[name] = {"odc": grpo_run(tmp / f"odc_{name}", *base, *extra, *odc),
+                      "trl": grpo_run(tmp / f"trl_{name}", *base, *extra, "--trainer", "trl")}  # fmt: skip
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "loss_type"), [("static", "dapo"), ("static", "grpo"), ("adaptive", "bnpo"),
+                                                 ("adaptive", "sapo")])  # fmt: skip
+def test_the_entropy_bonus_trains_as_trls(entropy_bonus, kind, loss_type):
+    """TRL subtracts, per microbatch of its own, the coefficient times that microbatch's token mean of the entropy:
+    ODC weighs each sample's entropy as that mean weighs it and logs TRL's policy_loss and entropy_coef."""
+    from test_grpo_metrics import assert_same_metrics
+
+    odc, trl = (entropy_bonus[kind][k][loss_type] for k in ("odc", "trl"))
+    assert any(len(set(s["microbatches"])) > 1 for s in odc["steps"]), odc["steps"]
+    coefficients = [h["entropy_coef"] for h in trl["history"]]
+    assert coefficients == ([0.01] * 4 if kind == "static" else pytest.approx([0.015, 0.02, 0.025, 0.03])), coefficients
+    for a, b in zip(odc["history"], trl["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+    assert_same_metrics(odc["history"], trl["history"], rel=1e-5, abs=1e-7, skip=("loss", "grad_norm"))

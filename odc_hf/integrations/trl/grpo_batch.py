@@ -175,6 +175,8 @@ def collate(samples: list[dict], pad_token_id: int, device, *, pad_to_multiple_o
                 batch[key] = stack(key, _RIGHT_PAD.get(key, 0) if key != "completion_ids" else pad_token_id, "right")
     batch["advantages"] = torch.stack([s["advantages"] for s in samples])
     batch["odc_weight"] = torch.tensor([s["weight"] for s in samples], dtype=torch.float64)
+    if "entropy_weight" in samples[0]:  # the entropy bonus's weight of each sample (ODCGRPOTrainer)
+        batch["odc_entropy_weight"] = torch.tensor([s["entropy_weight"] for s in samples], dtype=torch.float64)
     if "odc_slice" in samples[0]:  # the TRL microbatch (slice) of each sample, for TRL's per-slice metrics
         batch["odc_slice"] = torch.tensor([s["odc_slice"] for s in samples], dtype=torch.long)
     loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)

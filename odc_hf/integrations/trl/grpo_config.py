@@ -65,8 +65,6 @@ def refusals(args, grad_accum: int) -> list[str]:
             "generates its ranks' prompts together, in lockstep; untested with ODC): use "
             "vllm_tensor_parallel_size=1"
         )
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        refuse.append("an entropy bonus (entropy_coef / use_adaptive_entropy): it is normalised per microbatch")
     if args.top_entropy_quantile < 1.0:
         refuse.append("top_entropy_quantile < 1 (its quantile is gathered across ranks per microbatch)")
     return refuse

@@ -73,13 +73,19 @@ class MetricRecorder:
 class SliceMetrics:
     """Per-slice sums for one optimizer step on one rank; :meth:`combine` merges every rank's."""
 
-    def __init__(self, num_slices: int, beta: float, loss_code: str = "dapo"):
+    def __init__(self, num_slices: int, beta: float, loss_code: str = "dapo", *, entropy_bonus: bool = False):
         self.num_slices = num_slices
         self.means = mean_keys(beta, loss_code)
         self.extreme_keys = extreme_keys(loss_code)
         self.sums = torch.zeros(num_slices, len(self.means), 2, dtype=torch.float64)  # [sum, count]
         # [low_min, -high_max]
         self.extremes = torch.full((num_slices, len(self.extreme_keys)), math.inf, dtype=torch.float64)
+        # With an entropy bonus, TRL logs ``policy_loss``: per slice, the mean over ranks of each rank's policy loss,
+        # a sum of per-sample shares here (:meth:`add_policy_loss`); and its adaptive coefficient follows the step's
+        # token mean of the entropy over every rank (:meth:`add_entropy`: [entropy sum, tokens]).
+        self.policy = torch.zeros(num_slices if entropy_bonus else 0, dtype=torch.float64)
+        self.window = torch.zeros(2 if entropy_bonus else 0, dtype=torch.float64)
+        self.world_window: tuple[float, float] | None = None  # every rank's window, after combine()
 
     def add(self, slice_index: int, recorder: MetricRecorder) -> None:
         if len(recorder.reduced) != len(self.means) or len(recorder.gathered) != len(self.extreme_keys):
@@ -95,19 +101,30 @@ class SliceMetrics:
             if values.numel():
                 self.extremes[slice_index, k] = min(float(self.extremes[slice_index, k]), float(values.min()))
 
+    def add_policy_loss(self, slice_index: int, share: float) -> None:
+        self.policy[slice_index] += share
+
+    def add_entropy(self, total: float, tokens: float) -> None:
+        self.window += torch.tensor([total, tokens], dtype=torch.float64)
+
     def vector(self) -> torch.Tensor:
-        return torch.cat([self.sums.reshape(-1), self.extremes.reshape(-1)])
+        return torch.cat([self.sums.reshape(-1), self.extremes.reshape(-1), self.policy, self.window])
 
     def combine(self, gathered: torch.Tensor) -> dict[str, list[float]]:
         """Every rank's :meth:`vector` (rows) -> TRL's per-slice values of each metric, slices in order."""
-        split = self.sums.numel()
+        split, ends = self.sums.numel(), self.sums.numel() + self.extremes.numel()
         sums = gathered[:, :split].reshape(-1, *self.sums.shape).sum(0)
-        extremes = gathered[:, split:].reshape(gathered.size(0), *self.extremes.shape).amin(0)
+        extremes = gathered[:, split:ends].reshape(gathered.size(0), *self.extremes.shape).amin(0)
+        policy = gathered[:, ends : ends + self.policy.numel()].sum(0)
+        if self.window.numel():
+            self.world_window = tuple(gathered[:, ends + self.policy.numel() :].sum(0).tolist())
         out: dict[str, list[float]] = {}
         for k, key in enumerate(self.means):
             out[key] = [float(s / max(float(c), 1.0)) for s, c in sums[:, k].tolist()]  # TRL: clamp(min=1.0)
         for k, (key, sign) in enumerate(zip(self.extreme_keys, (1.0, -1.0))):
             out[key] = [sign * v if math.isfinite(v) else math.nan for v in extremes[:, k].tolist()]
+        if policy.numel():
+            out["policy_loss"] = policy.tolist()
         return out
 
 

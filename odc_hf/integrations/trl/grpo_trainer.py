@@ -126,6 +126,9 @@ class _GRPOPart:
         self.odc_bundles: list[tuple[GRPOBundle, dict]] = []  # per step of the generation: its bundle, its plan
         self.odc_root_initialised = False  # see _odc_generate_without_lockstep
         self.odc_plan_summary: dict = {}
+        # TRL logs an entropy bonus run's policy loss before dividing it by the accumulation steps, but for the loss
+        # types whose normaliser already counts them
+        self.odc_policy_loss_factor = 1 if self.loss_type in ("dapo", "cispo", "vespo") else self.odc_folded_accumulation
         self.odc_ref = self._odc_install_ref() if self.ref_model is not None else None
         if self.odc_ref is not None and self.args.sync_ref_model:
             self.add_callback(_PublishSyncedReference(self.odc_ref))  # after TRL's SyncRefModelCallback
@@ -273,6 +276,12 @@ class _GRPOPart:
                                  max_completion_length=self.max_completion_length,
                                  num_items_in_batch=float(batch["num_items_in_batch"]))  # fmt: skip
         local = unbatch(batch, weights)
+        if self._entropy_bonus_enabled:  # TRL's bonus: a token mean per TRL microbatch, bnpo's normaliser
+            bonus = sample_weights(loss_mask.cpu(), slice_of, loss_type="bnpo", num_slices=num_slices,
+                                   accumulation=accumulation, world_size=self.accelerator.num_processes,
+                                   max_completion_length=self.max_completion_length, num_items_in_batch=0.0)  # fmt: skip
+            for sample, e in zip(local, bonus.tolist()):
+                sample["entropy_weight"] = e
         for sample, g in zip(local, slice_of.tolist()):
             # the optimizer step of the generation that trains it, and its TRL microbatch (slice) within that step:
             # TRL's metrics are defined per slice
@@ -329,27 +338,52 @@ class _GRPOPart:
         self._odc_packed = inputs.pop(PACKED_KEY, None)
         slices = inputs.pop("odc_slice")
         weights = inputs.pop("odc_weight")
-        code = LOSS_CODE[self.loss_type]
+        entropy_weights = inputs.pop("odc_entropy_weight", None)
+        # TRL: normaliser = num_items / W * current_gradient_accumulation_steps (1 here) / steps_per_generation
+        inputs["num_items_in_batch"] = torch.tensor(
+            self.accelerator.num_processes * self.args.steps_per_generation / self.odc_weight_scale,
+            dtype=torch.float32, device=inputs["completion_mask"].device,
+        )  # fmt: skip
+        # TRL's entropy bonus is a token mean per TRL microbatch: ODC adds it below with those weights instead
+        loss_type, self.loss_type = self.loss_type, LOSS_CODE[self.loss_type]
+        bonus, self._entropy_bonus_enabled = self._entropy_bonus_enabled, False
+        try:
+            loss = self._odc_weighted_loss(model, inputs, weights, return_outputs, num_items_in_batch)
+            entropies = self._odc_forward[1]
+            self._odc_recompute_metrics(model, inputs, slices, weights if bonus else None)
+        finally:
+            self.loss_type, self._entropy_bonus_enabled = loss_type, bonus
+            self._odc_forward = self._odc_packed = None
+        if bonus:
+            loss = loss - self._odc_entropy_bonus(inputs, entropies, entropy_weights)
+        return loss
+
+    def _odc_weighted_loss(self, model, inputs: dict, weights: torch.Tensor, *args) -> torch.Tensor:
+        """``sum_i w_i * sum_t(per_token_loss * mask)`` over the rows of ``inputs``, through the branch of TRL's loss
+        that ``self.loss_type`` names here (a :data:`LOSS_CODE` value; see :meth:`compute_loss`)."""
         scale = 1.0
-        if code == "sapo":
+        if self.loss_type == "sapo":
             scale = self._odc_sequence_mean_scale(inputs, weights)
             weights = torch.full_like(weights, self.odc_weight_scale)
         relative = (weights / self.odc_weight_scale).float().unsqueeze(1)
         tool = inputs.get("tool_mask")
         weighted = dict(inputs, tool_mask=relative if tool is None else tool * relative)
-        world = self.accelerator.num_processes
-        # TRL: normaliser = num_items / W * current_gradient_accumulation_steps (1 here) / steps_per_generation
-        inputs["num_items_in_batch"] = weighted["num_items_in_batch"] = torch.tensor(
-            world * self.args.steps_per_generation / self.odc_weight_scale, dtype=torch.float32, device=relative.device
-        )  # fmt: skip
-        loss_type, self.loss_type = self.loss_type, code
-        try:
-            loss = super().compute_loss(model, weighted, return_outputs, num_items_in_batch)
-            self._odc_recompute_metrics(model, inputs, slices)
-        finally:
-            self.loss_type = loss_type
-            self._odc_forward = self._odc_packed = None
+        loss = super().compute_loss(model, weighted, *args)
         return loss * scale if scale != 1.0 else loss
+
+    def _odc_entropy_bonus(self, inputs: dict, entropies: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """TRL's entropy bonus of this microbatch's samples: the coefficient TRL applies this step times ``sum_i e_i *
+        sum_t(entropy * mask)``, e_i = 1 / (tokens of the sample's TRL microbatch x G x W) (TRL subtracts each of its
+        microbatches' token mean, divided by the accumulation steps; DDP averages over ranks). With
+        ``use_adaptive_entropy`` the step's token totals are kept for the coefficient's update at its end."""
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        per_sample = (entropies * mask).sum(-1)
+        if self.use_adaptive_entropy:
+            apply = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+            self.odc_slice_metrics.add_entropy(float(per_sample.detach().sum()), float(mask.sum()))
+        else:
+            apply = self.entropy_coef
+        return apply * (weights.to(per_sample.device, per_sample.dtype) * per_sample).sum()
 
     def _odc_sequence_mean_scale(self, inputs: dict, weights: torch.Tensor) -> float:
         """What turns ``sapo``'s branch (mean over the B rows of each sequence's token mean, over the accumulation
@@ -409,9 +443,12 @@ class _GRPOPart:
                 torch.stack(aux).mean() if compute_aux_loss else None)  # fmt: skip
 
     @torch.no_grad()
-    def _odc_recompute_metrics(self, model, inputs: dict, slices: torch.Tensor) -> None:
+    def _odc_recompute_metrics(self, model, inputs: dict, slices: torch.Tensor, weights=None) -> None:
         """TRL's ``_compute_loss`` on each slice's rows of this microbatch, TRL's own mask, the forward's values:
-        records what TRL would reduce / gather for its metrics (:mod:`odc_hf.integrations.trl.grpo_metrics`)."""
+        records what TRL would reduce / gather for its metrics (:mod:`odc_hf.integrations.trl.grpo_metrics`). With
+        the sample ``weights`` (an entropy bonus), also each slice's share of TRL's ``policy_loss``: the weighted
+        loss of its rows, times G for the loss types whose logged policy loss is taken before TRL divides by the
+        accumulation steps."""
         logps, entropies, aux = self._odc_forward
         size, accelerator = slices.numel(), self.accelerator
         metrics = logged_metrics(self)
@@ -423,6 +460,10 @@ class _GRPOPart:
                 self.accelerator = recorder = MetricRecorder(accelerator)
                 super().compute_loss(model, rows(inputs, index, size))
                 self.odc_slice_metrics.add(int(g), recorder)
+                if weights is not None:
+                    self.accelerator = MetricRecorder(accelerator)  # this replay's metrics are not TRL's
+                    share = self._odc_weighted_loss(model, rows(inputs, index, size), weights[index.to(weights.device)])
+                    self.odc_slice_metrics.add_policy_loss(int(g), float(share) * self.odc_policy_loss_factor)
         finally:
             self._odc_replay, self.accelerator = None, accelerator
             for key in list(metrics):
@@ -433,10 +474,13 @@ class _GRPOPart:
         return True
 
     def odc_before_bundle(self):
-        self.odc_slice_metrics = slices = SliceMetrics(self.odc_folded_accumulation, self.beta, LOSS_CODE[self.loss_type])
+        bonus = self._entropy_bonus_enabled
+        self.odc_slice_metrics = slices = SliceMetrics(self.odc_folded_accumulation, self.beta,
+                                                       LOSS_CODE[self.loss_type], entropy_bonus=bonus)  # fmt: skip
         metrics = logged_metrics(self)
         router = ("aux_loss",) if self.aux_loss_enabled else ()
-        return {k: len(metrics[k]) for k in (*slices.means, *slices.extreme_keys, *router)}
+        policy = ("policy_loss",) if bonus else ()
+        return {k: len(metrics[k]) for k in (*slices.means, *slices.extreme_keys, *policy, *router)}
 
     def odc_after_bundle(self, snapshot, bundle) -> None:
         """Replace what TRL's ``_compute_loss`` appended per ODC microbatch by its per-slice values (one gather)."""
@@ -449,6 +493,15 @@ class _GRPOPart:
         if self.aux_loss_enabled:  # MoE: one value per microbatch, as TRL appends them, every rank's
             start = snapshot["aux_loss"]
             metrics["aux_loss"][start:] = every_rank_values(self.accelerator, metrics["aux_loss"][start:])
+        if self._entropy_bonus_enabled:
+            if self.use_adaptive_entropy:  # TRL's update at the end of a step, from the step's token mean (all ranks)
+                total, tokens = self.odc_slice_metrics.world_window
+                self._last_world_entropy = world_entropy = total / max(tokens, 1.0)
+                if world_entropy <= self.args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + self.args.entropy_coef_delta, self.args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - self.args.entropy_coef_delta, self.args.entropy_coef_min)
+            metrics["entropy_coef"].append(self.entropy_coef)  # once per step, after the update, as TRL logs it
 
     def log(self, logs, *args, **kwargs):
         if "loss" in logs and self.odc_plan_summary:

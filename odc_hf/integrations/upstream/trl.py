@@ -24,8 +24,10 @@ GRPO_PRIVATE_METHODS = ("_generate_and_score_completions", "_get_train_sampler",
 """TRL ``GRPOTrainer`` methods ``ODCGRPOTrainer`` calls or overrides: generation and scoring, the sampler (one
 dataloader batch per optimizer step), the loss and the metrics' recomputation per slice."""
 GRPO_PRIVATE_ATTRIBUTES = ("_metrics", "loss_type", "beta", "ref_model", "max_completion_length", "num_iterations",
-                           "aux_loss_enabled", "router_aux_loss_coef")
-"""TRL ``GRPOTrainer`` attributes ``ODCGRPOTrainer`` reads (``_metrics``: aggregated once per step)."""
+                           "aux_loss_enabled", "router_aux_loss_coef", "_entropy_bonus_enabled", "entropy_coef",
+                           "use_adaptive_entropy", "_last_world_entropy")
+"""TRL ``GRPOTrainer`` attributes ``ODCGRPOTrainer`` reads (``_metrics``: aggregated once per step; the entropy
+bonus's switch, coefficient and adaptive state: the bonus is applied and updated by ODC, per TRL's definition)."""
 
 
 def check_trl(trainer, trainer_name: str, *, methods=(), attributes=()) -> None:
