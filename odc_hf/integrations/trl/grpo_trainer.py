@@ -74,8 +74,12 @@ from odc_hf.integrations.upstream.deprecations import quiet_upstream_deprecation
 from odc_hf.integrations.upstream.trl import (
     GRPOHooks,
     check_trl_grpo,
+    entropy_bonus_enabled,
     generate_and_score_completions,
+    last_world_entropy,
     logged_metrics,
+    set_last_world_entropy,
+    trl_entropy_bonus_off,
 )
 from odc_hf.integrations.vllm.sync import adopt_generation
 from odc_hf.integrations.vllm.weights import LoraMerge
@@ -276,7 +280,7 @@ class _GRPOPart:
                                  max_completion_length=self.max_completion_length,
                                  num_items_in_batch=float(batch["num_items_in_batch"]))  # fmt: skip
         local = unbatch(batch, weights)
-        if self._entropy_bonus_enabled:  # TRL's bonus: a token mean per TRL microbatch, bnpo's normaliser
+        if entropy_bonus_enabled(self):  # TRL's bonus: a token mean per TRL microbatch, bnpo's normaliser
             bonus = sample_weights(loss_mask.cpu(), slice_of, loss_type="bnpo", num_slices=num_slices,
                                    accumulation=accumulation, world_size=self.accelerator.num_processes,
                                    max_completion_length=self.max_completion_length, num_items_in_batch=0.0)  # fmt: skip
@@ -346,13 +350,14 @@ class _GRPOPart:
         )  # fmt: skip
         # TRL's entropy bonus is a token mean per TRL microbatch: ODC adds it below with those weights instead
         loss_type, self.loss_type = self.loss_type, LOSS_CODE[self.loss_type]
-        bonus, self._entropy_bonus_enabled = self._entropy_bonus_enabled, False
+        bonus = entropy_bonus_enabled(self)
         try:
-            loss = self._odc_weighted_loss(model, inputs, weights, return_outputs, num_items_in_batch)
-            entropies = self._odc_forward[1]
-            self._odc_recompute_metrics(model, inputs, slices, weights if bonus else None)
+            with trl_entropy_bonus_off(self):
+                loss = self._odc_weighted_loss(model, inputs, weights, return_outputs, num_items_in_batch)
+                entropies = self._odc_forward[1]
+                self._odc_recompute_metrics(model, inputs, slices, weights if bonus else None)
         finally:
-            self.loss_type, self._entropy_bonus_enabled = loss_type, bonus
+            self.loss_type = loss_type
             self._odc_forward = self._odc_packed = None
         if bonus:
             loss = loss - self._odc_entropy_bonus(inputs, entropies, entropy_weights)
@@ -379,7 +384,7 @@ class _GRPOPart:
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
         per_sample = (entropies * mask).sum(-1)
         if self.use_adaptive_entropy:
-            apply = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+            apply = self.entropy_coef if last_world_entropy(self) <= self.args.entropy_target else 0.0
             self.odc_slice_metrics.add_entropy(float(per_sample.detach().sum()), float(mask.sum()))
         else:
             apply = self.entropy_coef
@@ -474,7 +479,7 @@ class _GRPOPart:
         return True
 
     def odc_before_bundle(self):
-        bonus = self._entropy_bonus_enabled
+        bonus = entropy_bonus_enabled(self)
         self.odc_slice_metrics = slices = SliceMetrics(self.odc_folded_accumulation, self.beta,
                                                        LOSS_CODE[self.loss_type], entropy_bonus=bonus)  # fmt: skip
         metrics = logged_metrics(self)
@@ -493,10 +498,11 @@ class _GRPOPart:
         if self.aux_loss_enabled:  # MoE: one value per microbatch, as TRL appends them, every rank's
             start = snapshot["aux_loss"]
             metrics["aux_loss"][start:] = every_rank_values(self.accelerator, metrics["aux_loss"][start:])
-        if self._entropy_bonus_enabled:
+        if entropy_bonus_enabled(self):
             if self.use_adaptive_entropy:  # TRL's update at the end of a step, from the step's token mean (all ranks)
                 total, tokens = self.odc_slice_metrics.world_window
-                self._last_world_entropy = world_entropy = total / max(tokens, 1.0)
+                world_entropy = total / max(tokens, 1.0)
+                set_last_world_entropy(self, world_entropy)
                 if world_entropy <= self.args.entropy_target:
                     self.entropy_coef = min(self.entropy_coef + self.args.entropy_coef_delta, self.args.entropy_coef_max)
                 else:

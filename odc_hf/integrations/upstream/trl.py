@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from odc_hf.integrations.upstream.transformers import missing_upstream_methods
 from odc_hf.version import TESTED, warn_if_untested
 
@@ -74,6 +76,31 @@ def generate_and_score_completions(trainer, inputs) -> dict:
 def logged_metrics(trainer, mode: str = "train") -> dict:
     """TRL's per-step metric lists of a trainer (``_metrics[mode]``), which odc_hf re-aggregates once per step."""
     return trainer._metrics[mode]
+
+
+def entropy_bonus_enabled(trainer) -> bool:
+    """``GRPOTrainer._entropy_bonus_enabled``: TRL's switch of the entropy bonus (``entropy_coef`` or adaptive)."""
+    return trainer._entropy_bonus_enabled
+
+
+@contextlib.contextmanager
+def trl_entropy_bonus_off(trainer):
+    """Inside: TRL's ``_compute_loss`` adds no entropy bonus of its own (ODC applies it with its own weights)."""
+    enabled, trainer._entropy_bonus_enabled = trainer._entropy_bonus_enabled, False
+    try:
+        yield
+    finally:
+        trainer._entropy_bonus_enabled = enabled
+
+
+def last_world_entropy(trainer) -> float:
+    """``GRPOTrainer._last_world_entropy``: the previous step's token mean of the entropy over every rank, which
+    gates the adaptive coefficient."""
+    return trainer._last_world_entropy
+
+
+def set_last_world_entropy(trainer, value: float) -> None:
+    trainer._last_world_entropy = value
 
 
 def total_train_tokens(trainer) -> int:
