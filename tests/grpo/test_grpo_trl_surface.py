@@ -299,3 +299,19 @@ def test_what_the_grpo_arguments_refuse_and_accept(tmp_path):
     assert refusals(args(entropy_coef=0.01, use_adaptive_entropy=True), 2) == []
     assert refusals(args(top_entropy_quantile=0.5), 2) == [
         "top_entropy_quantile < 1 (its quantile is gathered across ranks per microbatch)"]
+
+
+def test_collate_carries_the_entropy_bonus_weights_only_when_the_samples_have_them():
+    """With an entropy bonus each sample carries its weight in TRL's per-microbatch entropy mean (bnpo's weight, far
+    below float32's precision of the loss weights' ratios): collated in float64, in sample order; absent otherwise."""
+    def sample(completion, **extra):
+        return {"prompt_ids": torch.tensor([5]), "completion_ids": torch.tensor(completion),
+                "completion_mask": torch.ones(len(completion), dtype=torch.long), "advantages": torch.tensor(0.0),
+                "weight": 0.25, **extra}  # fmt: skip
+
+    weights = (1 / 3 + 1e-12, 1 / 7)
+    batch = grpo_batch.collate([sample([7, 8], entropy_weight=weights[0]), sample([9], entropy_weight=weights[1])],
+                               pad_token_id=0, device="cpu")  # fmt: skip
+    assert batch["odc_entropy_weight"].dtype == torch.float64
+    assert batch["odc_entropy_weight"].tolist() == list(weights)
+    assert "odc_entropy_weight" not in grpo_batch.collate([sample([7, 8])], pad_token_id=0, device="cpu")
