@@ -147,6 +147,20 @@ def test_odc_grpo_packed_layout_trains_each_family_as_trl_does(name, grpo):
     assert difference <= RTOL, (ours["history"], reference["history"])
 
 
+@pytest.mark.slow
+def test_a_router_loss_beside_sapo_and_an_entropy_bonus_is_trls(tmp_path, cpu_env):
+    """Qwen3-MoE, loss_type sapo with TRL's entropy bonus: TRL adds the router loss to its loss branch's result and
+    leaves it out of its logged policy_loss; ODC scales sapo's branch and rebuilds policy_loss from the samples'
+    weighted losses, so both must keep the router loss where TRL has it. Measured before the fix: policy_loss off by
+    exactly the router term (-0.0230 against TRL's -0.1230 with dapo)."""
+    name, extra = "qwen3_moe", {"loss_type": "sapo", "entropy_coef": 0.01}
+    ours = zoo_runs.grpo_run(name, tmp_path / "odc", "odc", **extra)
+    reference = zoo_runs.grpo_run(name, tmp_path / "trl", "trl", **extra)
+    assert all("policy_loss" in h and h["aux_loss"] > 1.0 for h in reference["history"]), reference["history"]
+    difference = largest_difference(ours["history"], reference["history"], ("loss", "grad_norm", "aux_loss", "policy_loss"))
+    assert difference <= RTOL, (ours["history"], reference["history"])
+
+
 GRPO_SPLIT_NAMES = [name for name in GRPO_NAMES if "router_aux" not in FAMILIES[name].variants]
 """Families whose GRPO loss does not depend on which rows share a microbatch (a router loss does: its per-expert token
 shares are per microbatch, so odc_hf's own packing of the rows gives another one; those rows run one microbatch)."""

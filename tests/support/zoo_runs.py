@@ -455,7 +455,7 @@ def rollouts(tokenizer):
     return rollout
 
 
-def grpo_run(name: str, out, trainer: str, split: bool = False) -> dict:
+def grpo_run(name: str, out, trainer: str, split: bool = False, **grpo_args) -> dict:
     """TRL's GRPOTrainer (padded rows, the model's own attention) or ODCGRPOTrainer (packed rows, odc_hf's attention)
     in one process, ``GRPO_STEPS`` steps on the same rollouts: one microbatch each, or with ``split`` several (TRL:
     2 microbatches of 4 rows; odc_hf: packed rows of at most ``GRPO_SPLIT_TOKENS`` tokens, so their dealing differs
@@ -466,14 +466,14 @@ def grpo_run(name: str, out, trainer: str, split: bool = False) -> dict:
     from odc_hf import ODCConfig, ODCGRPOTrainer
     from odc_hf.testing.data import default_documents, default_tokenizer
 
-    tokenizer = default_tokenizer()
+    tokenizer = default_tokenizer()  # grpo_args: more GRPOConfig fields (a loss type, an entropy bonus)
     prompts = [doc[:120] for doc in default_documents(seed=SEED)[: GRPO_STEPS * PROMPTS]]
     rows = GENERATIONS * PROMPTS
     args = GRPOConfig(output_dir=str(out), max_steps=GRPO_STEPS, per_device_train_batch_size=rows // 2 if split else rows,
                       gradient_accumulation_steps=2 if split else 1, num_generations=GENERATIONS, max_completion_length=64,
                       learning_rate=3e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                       max_grad_norm=1.0, beta=0.0, seed=SEED, logging_steps=1, save_strategy="no", report_to="none",
-                      bf16=False, use_cpu=True, disable_tqdm=True, shuffle_dataset=False)  # fmt: skip
+                      bf16=False, use_cpu=True, disable_tqdm=True, shuffle_dataset=False, **grpo_args)  # fmt: skip
     kwargs = dict(model=build(name, tokenizer), reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
                   args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
                   rollout_func=rollouts(tokenizer))  # fmt: skip
@@ -483,7 +483,7 @@ def grpo_run(name: str, out, trainer: str, split: bool = False) -> dict:
     else:
         run = GRPOTrainer(**kwargs)
     run.train()
-    keys = ("step", "loss", "grad_norm", "aux_loss", "entropy")
+    keys = ("step", "loss", "grad_norm", "aux_loss", "entropy", "policy_loss")  # policy_loss: with an entropy bonus
     result = {"history": [{k: h[k] for k in keys if k in h} for h in run.state.log_history if "loss" in h]}
     if trainer == "odc":
         result.update(attention=run.odc_attention, packed=run.odc_grpo_packed,

@@ -363,9 +363,12 @@ class _GRPOPart:
             loss = loss - self._odc_entropy_bonus(inputs, entropies, entropy_weights)
         return loss
 
-    def _odc_weighted_loss(self, model, inputs: dict, weights: torch.Tensor, *args) -> torch.Tensor:
+    def _odc_weighted_loss(self, model, inputs: dict, weights: torch.Tensor, *args, policy_only: bool = False):
         """``sum_i w_i * sum_t(per_token_loss * mask)`` over the rows of ``inputs``, through the branch of TRL's loss
-        that ``self.loss_type`` names here (a :data:`LOSS_CODE` value; see :meth:`compute_loss`)."""
+        that ``self.loss_type`` names here (a :data:`LOSS_CODE` value; see :meth:`compute_loss`), plus TRL's MoE
+        router loss as weighed for this step (none with ``policy_only``: TRL's ``policy_loss`` metric has none). TRL
+        adds the router loss to its branch's result, so where that result is scaled (``sapo``) the router loss's
+        coefficient is divided by the scale for the call."""
         scale = 1.0
         if self.loss_type == "sapo":
             scale = self._odc_sequence_mean_scale(inputs, weights)
@@ -373,7 +376,13 @@ class _GRPOPart:
         relative = (weights / self.odc_weight_scale).float().unsqueeze(1)
         tool = inputs.get("tool_mask")
         weighted = dict(inputs, tool_mask=relative if tool is None else tool * relative)
-        loss = super().compute_loss(model, weighted, *args)
+        coefficient = self.router_aux_loss_coef
+        if self.aux_loss_enabled:
+            self.router_aux_loss_coef = 0.0 if policy_only else coefficient / scale
+        try:
+            loss = super().compute_loss(model, weighted, *args)
+        finally:
+            self.router_aux_loss_coef = coefficient
         return loss * scale if scale != 1.0 else loss
 
     def _odc_entropy_bonus(self, inputs: dict, entropies: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -467,7 +476,8 @@ class _GRPOPart:
                 self.odc_slice_metrics.add(int(g), recorder)
                 if weights is not None:
                     self.accelerator = MetricRecorder(accelerator)  # this replay's metrics are not TRL's
-                    share = self._odc_weighted_loss(model, rows(inputs, index, size), weights[index.to(weights.device)])
+                    share = self._odc_weighted_loss(model, rows(inputs, index, size), weights[index.to(weights.device)],
+                                                    policy_only=True)  # fmt: skip
                     self.odc_slice_metrics.add_policy_loss(int(g), float(share) * self.odc_policy_loss_factor)
         finally:
             self._odc_replay, self.accelerator = None, accelerator
