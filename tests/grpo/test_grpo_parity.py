@@ -39,12 +39,20 @@ LAUNCH_BOUND = {"a": 0.0, "b": 1e-6, "c": 0.0, "floor": 1.0}
 QUADRATIC = {"a": 0.0, "b": 1e-6, "c": 1e-5}
 
 
+NO_EVALUATION = COMMON[: COMMON.index("--eval_steps")]
+
+
+def _quadratic(tmp: Path) -> Path:
+    path = tmp / "quadratic.json"
+    path.write_text(json.dumps(QUADRATIC))
+    return path
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo_parity")
-    launch_bound, quadratic = tmp / "launch_bound.json", tmp / "quadratic.json"
+    launch_bound, quadratic = tmp / "launch_bound.json", _quadratic(tmp)
     launch_bound.write_text(json.dumps(LAUNCH_BOUND))
-    quadratic.write_text(json.dumps(QUADRATIC))
     return {
         "uneven": launch(tmp, "odc", "--trainer", "odc", "--balance", "lb_mini", "--max_tokens_per_microbatch", "64",
                          "--cost_model", str(quadratic)),
@@ -114,9 +122,8 @@ def several_steps_per_generation(tmp_path_factory):
     trains two optimizer steps, its first and second halves after TRL's shuffle, each with TRL's normalisers of a
     step (dapo: the generation batch's tokens, rescaled to a step)."""
     tmp = tmp_path_factory.mktemp("grpo_steps_per_generation")
-    common = [*COMMON[:COMMON.index("--eval_steps")], "--steps_per_generation", "4", "--loss_type", "dapo,grpo,bnpo"]
-    quadratic = tmp / "quadratic.json"
-    quadratic.write_text(json.dumps(QUADRATIC))
+    common = [*NO_EVALUATION, "--steps_per_generation", "4", "--loss_type", "dapo,grpo,bnpo"]
+    quadratic = _quadratic(tmp)
     return {"odc": grpo_run(tmp / "odc", *common, "--trainer", "odc", "--balance", "lb_mini",
                             "--max_tokens_per_microbatch", "64", "--cost_model", str(quadratic)),
             "trl": grpo_run(tmp / "trl", *common, "--trainer", "trl")}  # fmt: skip
@@ -143,9 +150,8 @@ def entropy_bonus(tmp_path_factory):
     applied from step 2, raised by 0.005 while the step's mean entropy, ~8.3 nats here, stays below the target 9),
     on the uneven plan (quadratic costs: ranks run 3 and 4 microbatches) against TRL."""
     tmp = tmp_path_factory.mktemp("grpo_entropy_bonus")
-    quadratic = tmp / "quadratic.json"
-    quadratic.write_text(json.dumps(QUADRATIC))
-    base = [*COMMON[:COMMON.index("--eval_steps")], "--num_iterations", "2", "--epsilon", "0.05"]
+    quadratic = _quadratic(tmp)
+    base = [*NO_EVALUATION, "--num_iterations", "2", "--epsilon", "0.05"]
     odc = ["--trainer", "odc", "--balance", "lb_mini", "--max_tokens_per_microbatch", "64", "--cost_model", str(quadratic)]
     runs = {}
     for name, extra in (("static", ["--loss_type", "dapo,grpo", "--entropy_coef", "0.01"]),

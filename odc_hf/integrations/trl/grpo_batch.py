@@ -18,7 +18,8 @@ from odc_hf.balance.padded import padded_width
 from odc_hf.integrations.compute.attention import is_flash
 from odc_hf.integrations.trainer.bundle import Bundle
 
-__all__ = ["CUDA_PAD_TO_MULTIPLE_OF", "GRPOBundle", "LOSS_CODE", "PACKED_KEY", "SUPPORTED_LOSS_TYPES", "collate", "pack_rows",
+__all__ = ["CUDA_PAD_TO_MULTIPLE_OF", "GRPOBundle", "LOSS_CODE", "PACKED_KEY", "SUPPORTED_LOSS_TYPES",
+           "TOKEN_COUNT_NORMALISED", "collate", "loss_mask", "pack_rows",
            "padded_columns_multiple",
            "sample_length", "sample_weights", "scatter_packed", "unbatch"]  # fmt: skip
 
@@ -31,6 +32,15 @@ TRL's per-token loss (the clipped importance ratio times the advantage) and diff
 the sample weights carry: they run through the ``dapo`` branch, a weighted token sum. ``cispo`` and ``vespo`` have
 per-token losses of their own and already normalise as ``dapo`` (equal weights); ``sapo`` has its own per-token loss
 and ``grpo``'s per-sequence means (the trainer scales its branch's result: ``ODCGRPOTrainer.compute_loss``)."""
+
+TOKEN_COUNT_NORMALISED = ("dapo", "cispo", "vespo")
+"""The loss types TRL divides by the generation batch's token count (rescaled to a step), the accumulation steps
+included; the others divide by the accumulation steps after their own normaliser."""
+
+
+def loss_mask(batch: dict) -> torch.Tensor:
+    """TRL's loss mask of a (rows, completion columns) batch: ``completion_mask * tool_mask``."""
+    return batch["completion_mask"] * batch.get("tool_mask", 1)
 
 # Keys of TRL's generation batch that this module knows how to split into samples and re-pad.
 _PER_TOKEN = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
@@ -86,7 +96,7 @@ def sample_weights(
         return 1.0 / (slice_tokens[slice_of].clamp(min=1.0) * scale)
     if loss_type == "dr_grpo":
         return 1.0 / (size * max_completion_length * scale)
-    if loss_type in ("dapo", "cispo", "vespo"):
+    if loss_type in TOKEN_COUNT_NORMALISED:
         return torch.full_like(tokens, num_slices / (max(float(num_items_in_batch), 1.0) * accumulation))
     raise ValueError(f"loss_type {loss_type!r} is not supported (supported: {SUPPORTED_LOSS_TYPES})")
 
@@ -179,8 +189,7 @@ def collate(samples: list[dict], pad_token_id: int, device, *, pad_to_multiple_o
         batch["odc_entropy_weight"] = torch.tensor([s["entropy_weight"] for s in samples], dtype=torch.float64)
     if "odc_slice" in samples[0]:  # the TRL microbatch (slice) of each sample, for TRL's per-slice metrics
         batch["odc_slice"] = torch.tensor([s["odc_slice"] for s in samples], dtype=torch.long)
-    loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
-    batch["num_label_tokens"] = int(loss_mask.sum())
+    batch["num_label_tokens"] = int(loss_mask(batch).sum())
     if packed:
         batch[PACKED_KEY] = pack_rows(torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
                                       torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),

@@ -59,8 +59,10 @@ from odc_hf.integrations.trainer.train_data import padded_worst_case, resolve_ma
 from odc_hf.integrations.trl.grpo_batch import (
     LOSS_CODE,
     PACKED_KEY,
+    TOKEN_COUNT_NORMALISED,
     GRPOBundle,
     collate,
+    loss_mask,
     pack_rows,
     padded_columns_multiple,
     sample_length,
@@ -132,7 +134,7 @@ class _GRPOPart:
         self.odc_plan_summary: dict = {}
         # TRL logs an entropy bonus run's policy loss before dividing it by the accumulation steps, but for the loss
         # types whose normaliser already counts them
-        self.odc_policy_loss_factor = 1 if self.loss_type in ("dapo", "cispo", "vespo") else self.odc_folded_accumulation
+        self.odc_policy_loss_factor = 1 if self.loss_type in TOKEN_COUNT_NORMALISED else self.odc_folded_accumulation
         self.odc_ref = self._odc_install_ref() if self.ref_model is not None else None
         if self.odc_ref is not None and self.args.sync_ref_model:
             self.add_callback(_PublishSyncedReference(self.odc_ref))  # after TRL's SyncRefModelCallback
@@ -274,14 +276,14 @@ class _GRPOPart:
         num_slices, size = self.args.steps_per_generation, batch["completion_ids"].size(0)
         accumulation = self.odc_folded_accumulation
         slice_of = torch.arange(size) // max(1, size // num_slices)
-        loss_mask = batch["completion_mask"] * batch.get("tool_mask", 1)
-        weights = sample_weights(loss_mask.cpu(), slice_of, loss_type=self.loss_type, num_slices=num_slices,
+        mask = loss_mask(batch).cpu()
+        weights = sample_weights(mask, slice_of, loss_type=self.loss_type, num_slices=num_slices,
                                  accumulation=accumulation, world_size=self.accelerator.num_processes,
                                  max_completion_length=self.max_completion_length,
                                  num_items_in_batch=float(batch["num_items_in_batch"]))  # fmt: skip
         local = unbatch(batch, weights)
         if entropy_bonus_enabled(self):  # TRL's bonus: a token mean per TRL microbatch, bnpo's normaliser
-            bonus = sample_weights(loss_mask.cpu(), slice_of, loss_type="bnpo", num_slices=num_slices,
+            bonus = sample_weights(mask, slice_of, loss_type="bnpo", num_slices=num_slices,
                                    accumulation=accumulation, world_size=self.accelerator.num_processes,
                                    max_completion_length=self.max_completion_length, num_items_in_batch=0.0)  # fmt: skip
             for sample, e in zip(local, bonus.tolist()):
@@ -390,7 +392,7 @@ class _GRPOPart:
         sum_t(entropy * mask)``, e_i = 1 / (tokens of the sample's TRL microbatch x G x W) (TRL subtracts each of its
         microbatches' token mean, divided by the accumulation steps; DDP averages over ranks). With
         ``use_adaptive_entropy`` the step's token totals are kept for the coefficient's update at its end."""
-        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        mask = loss_mask(inputs)
         per_sample = (entropies * mask).sum(-1)
         if self.use_adaptive_entropy:
             apply = self.entropy_coef if last_world_entropy(self) <= self.args.entropy_target else 0.0
@@ -403,7 +405,7 @@ class _GRPOPart:
         """What turns ``sapo``'s branch (mean over the B rows of each sequence's token mean, over the accumulation
         steps) into ``sum_i w_i * sum_t(per_token_loss * mask)``: B x v x accumulation steps, v = w_i x max(tokens_i,
         1), the same for every sample (see :meth:`compute_loss`)."""
-        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        mask = loss_mask(inputs)
         per_sequence = weights.to(mask.device) * mask.sum(-1).double().clamp(min=1.0)
         v = float(per_sequence[0])
         if not torch.allclose(per_sequence, torch.full_like(per_sequence, v), rtol=1e-12, atol=0.0):
