@@ -3,8 +3,9 @@ the whole minibatches (tests/support/api_runs.py), with uneven microbatch counts
 
 - ``ODCAccelerator(...)`` + ``prepare()`` in a user's own accelerate loop, and ``odc_hf.prepare(Accelerator(), ...)``:
   against plain torch in one process (every sample alone through the unsharded model);
-- ``ODCTrainer`` on a plain transformers causal-LM task, and ``make_odc_trainer`` on a user's Trainer subclass with its
-  own loss: against those same Trainer classes in one process (padded batches, sdpa), final saved weights included.
+- ``ODCTrainer`` on a plain transformers causal-LM task, with transformers' causal-LM data collator given (its labels
+  trained), and ``make_odc_trainer`` on a user's Trainer subclass with its own loss: against those same Trainer classes
+  in one process (padded batches, sdpa), final saved weights included.
 """
 
 from __future__ import annotations
@@ -72,14 +73,15 @@ def trainers(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["plain_trainer", "user_subclass"])
+@pytest.mark.parametrize("task", ["plain_trainer", "user_subclass", "lm_collator"])
 def test_odc_trainers_match_their_trainer_class_in_one_process(trainers, task):
     from safetensors.torch import load_file
 
     odc_dir, ref_dir = trainers
     odc, ref = (json.loads((d / f"{task}.json").read_text()) for d in trainers)
     assert (odc["class"], ref["class"]) == {"plain_trainer": ("ZeroFirstODCTrainer", "Trainer"),
-                                            "user_subclass": ("ZeroFirstODCLabelSmoothingTrainer", "LabelSmoothingTrainer")}[task]  # fmt: skip
+                                            "user_subclass": ("ZeroFirstODCLabelSmoothingTrainer", "LabelSmoothingTrainer"),
+                                            "lm_collator": ("ZeroFirstODCTrainer", "Trainer")}[task]  # fmt: skip
     _check_counts(odc["microbatches"])
     assert_same_steps(odc["history"], ref["history"], range(1, api_runs.STEPS + 1))
     _close(load_file(str(odc_dir / task / "model.safetensors")), load_file(str(ref_dir / task / "model.safetensors")),
@@ -93,3 +95,15 @@ def test_the_user_subclass_loss_is_really_its_own(trainers):
     odc_dir, _ = trainers
     plain, user = (json.loads((odc_dir / f"{t}.json").read_text())["history"][0]["loss"] for t in ("plain_trainer", "user_subclass"))
     assert user - plain > 1e-3, (plain, user)
+
+
+@pytest.mark.slow
+def test_the_collators_labels_are_what_was_trained(trainers):
+    """Control of ``lm_collator``: transformers' causal-LM collator labels no end-of-text token (the pad token here),
+    which ends every document; the same run training them (the dataset's labels, what odc_hf trained before it read
+    a collator's labels) has gradient norms >= 1e-3 apart at every step, 20x the comparison's tolerance."""
+    _, ref_dir = trainers
+    collator, end_of_text = (json.loads((ref_dir / f"{t}.json").read_text())["history"]
+                             for t in ("lm_collator", "end_of_text_trained"))  # fmt: skip
+    for ours, control in zip(collator, end_of_text):
+        assert abs(ours["grad_norm"] / control["grad_norm"] - 1) > 1e-3, (ours, control)

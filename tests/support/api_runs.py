@@ -6,8 +6,10 @@
 
 ``loops``: a user's own accelerate loop (docs/quickstart.md), once with ``ODCAccelerator(...).prepare`` and once with
 ``odc_hf.prepare(Accelerator(), ...)``. ``trainers``: ``ODCTrainer`` on a plain transformers causal-LM task and
-``make_odc_trainer`` on a user's Trainer subclass (label-smoothed loss); ``trainers-reference``: the same two
-Trainer classes without ODC, in one process on each whole minibatch. :func:`loop_reference` is the loops' reference:
+``make_odc_trainer`` on a user's Trainer subclass (label-smoothed loss), and ``ODCTrainer`` given transformers'
+causal-LM data collator (documents ending with the end-of-text token, which is also the pad token: the collator
+labels none of them); ``trainers-reference``: the same Trainer classes without ODC, in one process on each whole
+minibatch, and the control ``end_of_text_trained`` (those documents, every token trained). :func:`loop_reference` is the loops' reference:
 plain torch, one process, every sample of a minibatch alone through the unsharded model.
 
 Data, model and step count are those of tests/support/sft_runs.py (stdlib text, LB-Mini, the last rank without microbatches
@@ -172,26 +174,43 @@ def _pad_collator(pad_token_id: int):
     return collate
 
 
+def with_end_of_text(data, tokenizer):
+    """Every document ending with the end-of-text token, as tokenized training text usually does (here the pad
+    token too)."""
+    return data.map(lambda example: {"input_ids": example["input_ids"] + [tokenizer.eos_token_id]})
+
+
 def run_trainers(out: Path, reference: bool) -> None:
-    from transformers import Trainer
+    from transformers import DataCollatorForLanguageModeling, Trainer
 
     from odc_hf import ODCConfig, ODCTrainer, make_odc_trainer
 
     classes = {"plain_trainer": (Trainer, ODCTrainer)}
     user = label_smoothing_trainer()
     classes["user_subclass"] = (user, make_odc_trainer(user))
+    # transformers' causal-LM collator, given by the user: it sets the pad token's labels to -100 (here the
+    # end-of-text token's, which ends every document): ODC must train on its labels, not the dataset's
+    classes["lm_collator"] = (Trainer, ODCTrainer)
+    if reference:  # the control: the same documents with every end-of-text token trained
+        classes["end_of_text_trained"] = (Trainer, None)
     for name, (plain, with_odc) in classes.items():
         tokenizer, model, data = _model_and_data("sdpa" if reference else "sdpa_varlen")
+        collator = None
+        if name in ("lm_collator", "end_of_text_trained"):
+            data = with_end_of_text(data, tokenizer)
+        if name == "lm_collator":
+            collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
         if reference:
             data = data.select(sft_runs.minibatch_order(len(data)))
             args = _training_args(out / name, per_device_train_batch_size=8, train_sampling_strategy="sequential",
                                   use_cpu=True)  # fmt: skip
             trainer = plain(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                            data_collator=_pad_collator(tokenizer.pad_token_id))  # fmt: skip
+                            data_collator=collator or _pad_collator(tokenizer.pad_token_id))  # fmt: skip
             assert trainer.accelerator.num_processes == 1
         else:
             cls = type(f"ZeroFirst{with_odc.__name__}", (with_odc,), {"odc_sampler_class": _sampler_cls()})
             trainer = cls(model=model, args=_training_args(out / name), train_dataset=data, processing_class=tokenizer,
+                          data_collator=collator,
                           odc_config=ODCConfig(max_tokens_per_microbatch=sft_runs.BUDGET, timeout_s=300))  # fmt: skip
             assert trainer.accelerator.num_processes == 2 and isinstance(trainer, plain)
         trainer.train()

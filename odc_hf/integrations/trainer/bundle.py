@@ -28,7 +28,7 @@ token budget, empty dummy microbatches, and ``num_label_tokens``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +83,10 @@ class BundleCollator:
         pad_token_id: token of dummy microbatches (never trained on).
         mask_keys: which 0/1 columns mask labels (default both of ``MASK_KEYS``; TRL's SFT trainer passes none: it
             folds the masks its settings enable into ``labels`` while preparing the dataset).
+        labels_from: where a microbatch's labels come from instead of its examples' ``labels`` (else ``input_ids``):
+            a callable taking the microbatch's examples and returning each one's labels (the trainers pass a
+            :class:`~odc_hf.integrations.trainer.collator_labels.CollatorLabels` for a data collator that builds
+            labels of its own). Masks and truncation apply on top.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class BundleCollator:
         truncate: bool = False,
         pad_token_id: int = 0,
         mask_keys: Sequence[str] = MASK_KEYS,
+        labels_from: Callable[[Sequence[Mapping[str, Any]]], list[list[int]]] | None = None,
     ):
         if truncate and max_tokens_per_microbatch is None:
             raise ValueError("truncate=True needs max_tokens_per_microbatch")
@@ -101,12 +106,13 @@ class BundleCollator:
         self.truncate = truncate
         self.pad_token_id = int(pad_token_id)
         self.mask_keys = tuple(mask_keys)
+        self.labels_from = labels_from
         self._packer = DataCollatorForLanguageModeling(pad_token_id=self.pad_token_id, padding_free=True)
 
-    def _document(self, example: Mapping[str, Any]) -> dict[str, list[int]]:
-        """input_ids and labels of one example, masks folded in, truncated if configured."""
+    def _document(self, example: Mapping[str, Any], labels=None) -> dict[str, list[int]]:
+        """input_ids and labels of one example (``labels`` given: those), masks folded in, truncated if configured."""
         input_ids = _as_list(example["input_ids"])
-        labels = example.get("labels")
+        labels = example.get("labels") if labels is None else labels
         labels = list(input_ids) if labels is None else _as_list(labels)
         if len(labels) != len(input_ids):
             raise ValueError(f"example has {len(input_ids)} input_ids but {len(labels)} labels")
@@ -123,7 +129,9 @@ class BundleCollator:
 
     def collate_microbatch(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Pack one microbatch's examples into a single padding-free row."""
-        documents = [doc for doc in map(self._document, examples) if doc["input_ids"]]
+        examples = [example for example in examples if len(example["input_ids"])]
+        labels = self.labels_from(examples) if self.labels_from is not None and examples else [None] * len(examples)
+        documents = [self._document(example, own) for example, own in zip(examples, labels)]
         total = sum(len(doc["input_ids"]) for doc in documents)
         if self.max_tokens_per_microbatch is not None and total > self.max_tokens_per_microbatch:
             raise ValueError(

@@ -55,6 +55,7 @@ from odc_hf.integrations.trainer.bundle import (
     BundleLoader,
     TrainerBundleCollator,
 )
+from odc_hf.integrations.trainer.collator_labels import CollatorLabels, collator_labels
 from odc_hf.integrations.trainer.failure_guard import failure_guard
 from odc_hf.integrations.trainer.metrics import LocalGathers, weigh_router_loss
 from odc_hf.integrations.trainer.observability import ObservabilityPart, one_progress_bar
@@ -67,7 +68,11 @@ from odc_hf.integrations.trainer.train_data import (
     train_lengths,
     warn_no_label_tokens,
 )
-from odc_hf.integrations.upstream.transformers import TrainerHooks, check_trainer
+from odc_hf.integrations.upstream.transformers import (
+    TrainerHooks,
+    check_trainer,
+    collator_as_trainer_calls_it,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +132,8 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
         self.odc_compute: fused_head.ComputePath | None = None
         # before the base trainer reads the first row (TRL's SFTTrainer: a bare StopIteration on an empty dataset)
         check_not_empty(self._odc_argument("train_dataset", args, kwargs))
+        # a data collator of the user's: its labels are read before training (collator_labels.py)
+        self.odc_user_collator = self._odc_argument("data_collator", args, kwargs) is not None
         # a multimodal model: refused before the base trainer prepares the data (TRL tokenizes it all in __init__)
         family.check_text_only(self._odc_argument("model", args, kwargs))
         super().__init__(*args, **kwargs)
@@ -274,12 +281,21 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
         )  # fmt: skip
         pad = getattr(self.processing_class, "pad_token_id", None)
         collator = TrainerBundleCollator(max_tokens_per_microbatch=max_tokens_per_microbatch, truncate=config.truncate,
-                                         pad_token_id=pad if pad is not None else 0, mask_keys=self.odc_mask_keys())  # fmt: skip
+                                         pad_token_id=pad if pad is not None else 0, mask_keys=self.odc_mask_keys(),
+                                         labels_from=self._odc_collator_labels(dataset))  # fmt: skip
         self.odc_sampler = sampler
         # No pin_memory: torch's pinning rebuilds Mapping batches as their type from a dict, which a Bundle is
         # not; training_step copies each microbatch to the device itself.
         return BundleLoader(BundleDataset(dataset), batch_sampler=sampler, collate_fn=collator,
                             num_workers=self.args.dataloader_num_workers)  # fmt: skip
+
+    def _odc_collator_labels(self, dataset) -> CollatorLabels | None:
+        """The labels of the data collator the user gave, where they are not the dataset's (``collator_labels``)."""
+        if not self.odc_user_collator or self.data_collator is None:
+            return None
+        collate = collator_as_trainer_calls_it(self, self.data_collator)
+        return collator_labels(collate, type(self.data_collator).__name__, dataset,
+                               is_main_process=self.accelerator.is_main_process)  # fmt: skip
 
     def odc_mask_keys(self) -> tuple[str, ...]:
         """Example columns whose zeros mask labels (none for TRL's SFT trainer: its labels carry the masks)."""

@@ -37,6 +37,7 @@ TRAINER_HOOKS = (
     "_get_output_dir",  # called: the run's output folder, where the checkpoints go
     "_get_train_sampler",  # GRPO: one dataloader batch per optimizer step (TRL overrides it too)
     "_load_best_model",  # load_best_model_at_end: into the sharded model, then published for the peers' gathers
+    "_get_collator_with_removed_columns",  # called: a user's data collator as the Trainer calls it, for its labels
 )
 """Private ``transformers.Trainer`` methods the ODC trainers override or call."""
 
@@ -113,6 +114,12 @@ def output_dir(trainer, trial=None) -> str:
     return trainer._get_output_dir(trial=trial)
 
 
+def collator_as_trainer_calls_it(trainer, collator):
+    """``collator`` as the Trainer's training dataloader calls it: the examples' columns the model does not take
+    removed first, when ``remove_unused_columns`` says so (``Trainer._get_collator_with_removed_columns``)."""
+    return trainer._get_collator_with_removed_columns(collator, description="training")
+
+
 def missing_upstream_methods(cls: type, names) -> list[str]:
     """The ``names`` no class of ``cls``'s MRO below its last odc_hf class defines as a method: what the upstream
     trainer (and a user's own base class) must provide, whatever odc_hf's hook classes define above it."""
@@ -148,6 +155,7 @@ __all__ = [
     "apply_liger_kernel",
     "attn_implementation",
     "check_trainer",
+    "collator_as_trainer_calls_it",
     "missing_upstream_methods",
     "checkpointing_installed",
     "is_flash_attn_4_available",
