@@ -47,6 +47,7 @@ from odc_hf.integrations.compute.attention import AttentionChoice, choose_attent
 from odc_hf.integrations.compute.cost_model import cost_model
 from odc_hf.integrations.launch import cuda_allocator, shared_gpu
 from odc_hf.integrations.models import definition_check, family
+from odc_hf.integrations.trainer import loss_scale
 from odc_hf.integrations.trainer.arguments import odc_config_from_args
 from odc_hf.integrations.trainer.bundle import (
     MASK_KEYS,
@@ -110,6 +111,10 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
     odc_global_batch_option = True
     """Whether ``ODCConfig.global_batch_size`` can set this trainer's samples per optimizer step."""
 
+    odc_probe_loss_scale = True
+    """Whether the first microbatch checks that ``compute_loss`` divides by ``num_items_in_batch``
+    (:func:`~odc_hf.integrations.trainer.loss_scale.probe`); GRPO weighs its own loss per sample."""
+
     # -- setup -------------------------------------------------------------------------------------
     def __init__(self, *args, odc_config: ODCConfig | None = None, **kwargs):
         training_args = self._odc_argument("args", args, kwargs)  # GRPO's is 3rd, not 2nd
@@ -127,6 +132,7 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
         self.odc_config = odc_config
         self.odc_stats = RunStats()
         self.odc_microbatch_timings: list[tuple[list[int], float]] = []
+        self.odc_loss_scale_checked = False  # see training_step
         self.odc_attention_warm_up: dict | None = None  # {"kind", "shapes", "seconds", "dtype"} once a warm-up ran
         self.odc_attention_choice: AttentionChoice | None = None  # ODCConfig.attention resolved, after the base init
         self.odc_compute: fused_head.ComputePath | None = None
@@ -346,9 +352,16 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
                     batch = send_to_device(
                         {k: v for k, v in microbatch.items() if k != "num_label_tokens"}, device
                     )
+                    probe = None
+                    if not self.odc_loss_scale_checked and microbatch["num_label_tokens"] > 0:
+                        self.odc_loss_scale_checked = True
+                        if self._odc_loss_is_users():
+                            probe = loss_scale.probe(self, model, batch, num_items_in_batch)
                     with offload:
                         with self.compute_loss_context_manager():
                             loss = self.compute_loss(model, batch, num_items_in_batch=num_items_in_batch)
+                        if probe is not None:
+                            loss_scale.check(self, probe, loss, num_items_in_batch)
                         del batch
                         if empty_cache:
                             clear_device_cache()
@@ -374,6 +387,16 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
         # The step's loss over every rank, returned on every rank: the Trainer's logged loss (a mean over ranks of
         # what the ranks return) and its final train_loss (which adds rank 0's own unlogged remainder) both read it.
         return global_loss
+
+    def _odc_loss_is_users(self) -> bool:
+        """Whether the microbatch loss comes from the trainer's ``compute_loss`` (its own, a ``compute_loss_func``, the
+        model's) rather than odc_hf's fused loss, and so must be checked to divide by ``num_items_in_batch``."""
+        fused = self.odc_compute is not None and self.odc_compute.fused_by_odc
+        return self.odc_probe_loss_scale and not fused
+
+    def odc_restore_after_probe(self):
+        """Hook: a callable that undoes what one extra ``compute_loss`` call recorded (TRL's metrics: ODCSFTTrainer)."""
+        return lambda: None
 
     def odc_before_bundle(self):
         """Hook: state to aggregate per-microbatch metrics once per step (see ODCSFTTrainer)."""

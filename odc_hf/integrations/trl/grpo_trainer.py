@@ -107,6 +107,7 @@ class _GRPOPart:
     """The GRPO specifics on top of :class:`ODCMixin`; see the module docstring."""
 
     odc_global_batch_option = False  # the batch is TRL's generation batch, sized from its own arguments
+    odc_probe_loss_scale = False  # each sample's loss is weighted by odc_hf itself (grpo_batch.sample_weights)
 
     def __init__(self, *args, **kwargs):
         base = {k: v for k, v in kwargs.items() if k != "odc_config"}  # the base trainer's arguments

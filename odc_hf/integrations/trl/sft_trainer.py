@@ -68,6 +68,21 @@ class _SFTPart:
         # labels) is not for training.
         return ()
 
+    def odc_restore_after_probe(self):
+        # TRL's compute_loss records its metrics and token count on every call: the probe's call must not count
+        metrics, tokens = logged_metrics(self), total_train_tokens(self)
+        lengths = {k: len(v) for k, v in metrics.items()}
+
+        def restore():
+            for key in list(metrics):
+                if key in lengths:
+                    del metrics[key][lengths[key] :]
+                else:
+                    del metrics[key]
+            set_total_train_tokens(self, tokens)
+
+        return restore
+
     def odc_before_bundle(self):
         metrics = logged_metrics(self)
         return {k: len(metrics[k]) if k in metrics else 0 for k in (*_AVERAGED, "aux_loss")}, total_train_tokens(self)
