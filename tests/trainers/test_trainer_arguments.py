@@ -59,3 +59,29 @@ def test_plan_ahead_reaches_odcconfig_and_is_checked():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="plan_ahead must be an integer >= 0"):
             ODCConfig(plan_ahead=bad)
+
+
+@pytest.mark.parametrize(("seed", "data_seed", "sampler_seed"), [(3, None, 3), (3, 11, 11)])
+def test_data_seed_seeds_the_sampler_as_in_the_trainer(tmp_path, monkeypatch, seed, data_seed, sampler_seed):
+    """The Trainer seeds its sampler with data_seed when set (else seed): so does the ODC sampler. The data order
+    then stays when only seed changes (control: another data_seed, another order)."""
+    from datasets import Dataset
+    from fsdp_helpers import tiny_qwen2
+    from transformers import TrainingArguments
+
+    from odc_hf import ODCTrainer
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    data = Dataset.from_dict({"input_ids": [[5 + i] * (4 + i) for i in range(16)]})
+
+    def order(seed, data_seed):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, use_cpu=True,
+                                 report_to="none", seed=seed, data_seed=data_seed)  # fmt: skip
+        sampler = ODCTrainer(model=tiny_qwen2(), args=args, train_dataset=data).get_train_dataloader().batch_sampler
+        return sampler.seed, [list(sampler.minibatch_indices(step)) for step in range(4)]
+
+    used, indices = order(seed, data_seed)
+    assert used == sampler_seed
+    if data_seed is not None:
+        assert order(seed + 1, data_seed)[1] == indices  # the model's seed does not move the data
+        assert order(seed, data_seed + 1)[1] != indices

@@ -282,7 +282,7 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
         sampler = self.odc_sampler_class(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_global_batch_size,
             max_tokens_per_microbatch=max_tokens_per_microbatch, mode=config.balance, cost_model=self._odc_cost_model(),
-            seed=self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last, truncate=config.truncate,
+            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last, truncate=config.truncate,
             plan_ahead=config.plan_ahead,
         )  # fmt: skip
         pad = getattr(self.processing_class, "pad_token_id", None)
