@@ -4,8 +4,8 @@ the whole minibatches (tests/support/api_runs.py), with uneven microbatch counts
 - ``ODCAccelerator(...)`` + ``prepare()`` in a user's own accelerate loop, and ``odc_hf.prepare(Accelerator(), ...)``:
   against plain torch in one process (every sample alone through the unsharded model);
 - ``ODCTrainer`` on a plain transformers causal-LM task, with transformers' causal-LM data collator given (its labels
-  trained), and ``make_odc_trainer`` on a user's Trainer subclass with its own loss: against those same Trainer classes
-  in one process (padded batches, sdpa), final saved weights included.
+  trained), with the Trainer's label smoothing, and ``make_odc_trainer`` on a user's Trainer subclass with its own
+  loss: against those same Trainer classes in one process (padded batches, sdpa), final saved weights included.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def trainers(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["plain_trainer", "user_subclass", "lm_collator"])
+@pytest.mark.parametrize("task", ["plain_trainer", "user_subclass", "lm_collator", "label_smoothing"])
 def test_odc_trainers_match_their_trainer_class_in_one_process(trainers, task):
     from safetensors.torch import load_file
 
@@ -81,7 +81,8 @@ def test_odc_trainers_match_their_trainer_class_in_one_process(trainers, task):
     odc, ref = (json.loads((d / f"{task}.json").read_text()) for d in trainers)
     assert (odc["class"], ref["class"]) == {"plain_trainer": ("ZeroFirstODCTrainer", "Trainer"),
                                             "user_subclass": ("ZeroFirstODCLabelSmoothingTrainer", "LabelSmoothingTrainer"),
-                                            "lm_collator": ("ZeroFirstODCTrainer", "Trainer")}[task]  # fmt: skip
+                                            "lm_collator": ("ZeroFirstODCTrainer", "Trainer"),
+                                            "label_smoothing": ("ZeroFirstODCTrainer", "Trainer")}[task]  # fmt: skip
     _check_counts(odc["microbatches"])
     assert_same_steps(odc["history"], ref["history"], range(1, api_runs.STEPS + 1))
     _close(load_file(str(odc_dir / task / "model.safetensors")), load_file(str(ref_dir / task / "model.safetensors")),
@@ -95,6 +96,16 @@ def test_the_user_subclass_loss_is_really_its_own(trainers):
     odc_dir, _ = trainers
     plain, user = (json.loads((odc_dir / f"{t}.json").read_text())["history"][0]["loss"] for t in ("plain_trainer", "user_subclass"))
     assert user - plain > 1e-3, (plain, user)
+
+
+@pytest.mark.slow
+def test_the_trainers_label_smoothing_is_the_users_own_loss(trainers):
+    """``label_smoothing_factor=0.1`` gives the user subclass's label-smoothed loss (the same definition) at every
+    step, to float noise: the smoother shifts the labels under sharding as the Trainer does without."""
+    odc_dir, _ = trainers
+    smoothed, user = (json.loads((odc_dir / f"{t}.json").read_text())["history"]
+                      for t in ("label_smoothing", "user_subclass"))  # fmt: skip
+    assert_same_steps(smoothed, user, range(1, api_runs.STEPS + 1))
 
 
 @pytest.mark.slow

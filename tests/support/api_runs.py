@@ -8,7 +8,7 @@
 ``odc_hf.prepare(Accelerator(), ...)``. ``trainers``: ``ODCTrainer`` on a plain transformers causal-LM task and
 ``make_odc_trainer`` on a user's Trainer subclass (label-smoothed loss), and ``ODCTrainer`` given transformers'
 causal-LM data collator (documents ending with the end-of-text token, which is also the pad token: the collator
-labels none of them); ``trainers-reference``: the same Trainer classes without ODC, in one process on each whole
+labels none of them), and ``ODCTrainer`` with the Trainer's ``label_smoothing_factor``; ``trainers-reference``: the same Trainer classes without ODC, in one process on each whole
 minibatch, and the control ``end_of_text_trained`` (those documents, every token trained). :func:`loop_reference` is the loops' reference:
 plain torch, one process, every sample of a minibatch alone through the unsharded model.
 
@@ -191,11 +191,16 @@ def run_trainers(out: Path, reference: bool) -> None:
     # transformers' causal-LM collator, given by the user: it sets the pad token's labels to -100 (here the
     # end-of-text token's, which ends every document): ODC must train on its labels, not the dataset's
     classes["lm_collator"] = (Trainer, ODCTrainer)
+    # the Trainer's own label smoothing: it shifts the labels for a causal LM by the model's class name, which
+    # FSDP2's sharding changes (the sharded run compared each position's logits with its own token: loss 7.28
+    # against the Trainer's 8.31 at step 1, measured)
+    classes["label_smoothing"] = (Trainer, ODCTrainer)
     if reference:  # the control: the same documents with every end-of-text token trained
         classes["end_of_text_trained"] = (Trainer, None)
     for name, (plain, with_odc) in classes.items():
         tokenizer, model, data = _model_and_data("sdpa" if reference else "sdpa_varlen")
         collator = None
+        changes = {"label_smoothing_factor": LABEL_SMOOTHING} if name == "label_smoothing" else {}
         if name in ("lm_collator", "end_of_text_trained"):
             data = with_end_of_text(data, tokenizer)
         if name == "lm_collator":
@@ -203,13 +208,13 @@ def run_trainers(out: Path, reference: bool) -> None:
         if reference:
             data = data.select(sft_runs.minibatch_order(len(data)))
             args = _training_args(out / name, per_device_train_batch_size=8, train_sampling_strategy="sequential",
-                                  use_cpu=True)  # fmt: skip
+                                  use_cpu=True, **changes)  # fmt: skip
             trainer = plain(model=model, args=args, train_dataset=data, processing_class=tokenizer,
                             data_collator=collator or _pad_collator(tokenizer.pad_token_id))  # fmt: skip
             assert trainer.accelerator.num_processes == 1
         else:
             cls = type(f"ZeroFirst{with_odc.__name__}", (with_odc,), {"odc_sampler_class": _sampler_cls()})
-            trainer = cls(model=model, args=_training_args(out / name), train_dataset=data, processing_class=tokenizer,
+            trainer = cls(model=model, args=_training_args(out / name, **changes), train_dataset=data, processing_class=tokenizer,
                           data_collator=collator,
                           odc_config=ODCConfig(max_tokens_per_microbatch=sft_runs.BUDGET, timeout_s=300))  # fmt: skip
             assert trainer.accelerator.num_processes == 2 and isinstance(trainer, plain)

@@ -73,6 +73,7 @@ from odc_hf.integrations.upstream.transformers import (
     TrainerHooks,
     check_trainer,
     collator_as_trainer_calls_it,
+    keep_label_smoothing_causal,
 )
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
         family.check_text_only(self._odc_argument("model", args, kwargs))
         super().__init__(*args, **kwargs)
         self._odc_check_best_model()
+        keep_label_smoothing_causal(self, self.accelerator.unwrap_model(self.model))  # before FSDP2 renames its class
         self.add_callback(_ODCCallback(self))
         self.odc_attention_choice = choose_attention(self)
         if self.odc_trl_loss_head():  # the loss is TRL's fused LM head (SFT, GRPO): the family's own loss, or refused

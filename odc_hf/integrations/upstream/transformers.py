@@ -18,7 +18,9 @@ from __future__ import annotations
 import transformers
 from transformers import GradientCheckpointingLayer
 from transformers.integrations.liger import apply_liger_kernel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer import TRAINER_STATE_NAME, TRAINING_ARGS_NAME
+from transformers.trainer_pt_utils import LabelSmoother
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.utils import is_flash_attn_4_available
 
@@ -48,6 +50,8 @@ SUBMODULE_NAMES = {
     "transformers.utils": ("is_flash_attn_4_available",),  # transformers' own FlashAttention-4 check
     "transformers.integrations.sdpa_attention": ("sdpa_attention_forward",),  # odc_hf.attention
     "transformers.masking_utils": ("sdpa_mask",),  # odc_hf.attention
+    "transformers.trainer_pt_utils": ("LabelSmoother",),  # the Trainer's label smoothing, kept shifting under FSDP2
+    "transformers.models.auto.modeling_auto": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",),  # which classes it shifts for
 }
 """Names odc_hf imports from transformers' submodules (not exported by ``transformers`` itself)."""
 
@@ -114,6 +118,27 @@ def output_dir(trainer, trial=None) -> str:
     return trainer._get_output_dir(trial=trial)
 
 
+class ShiftingLabelSmoother(LabelSmoother):
+    """The Trainer's ``LabelSmoother`` that always shifts the labels by one position, as for a causal LM."""
+
+    def __call__(self, model_output, labels, shift_labels=False, num_items_in_batch=None):
+        return super().__call__(model_output, labels, shift_labels=True, num_items_in_batch=num_items_in_batch)
+
+
+def keep_label_smoothing_causal(trainer, model) -> None:
+    """``label_smoothing_factor`` on a causal LM: the Trainer's label smoother shifts the labels by one position when
+    the model's class name (``_get_name()``) is a causal LM's; FSDP2 renames the class it shards (``Qwen2ForCausalLM``
+    becomes ``FSDPQwen2ForCausalLM``), so on every sharded run the Trainer would compare each position's logits with its
+    own token. Given ``model`` before sharding (a PEFT model's base model), a causal LM by the Trainer's own list keeps a
+    smoother that always shifts."""
+    smoother = trainer.label_smoother
+    if smoother is None or isinstance(smoother, ShiftingLabelSmoother):
+        return
+    base = model.base_model.model if hasattr(model, "peft_config") else model
+    if {c.__name__ for c in type(base).__mro__} & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        trainer.label_smoother = ShiftingLabelSmoother(epsilon=smoother.epsilon, ignore_index=smoother.ignore_index)
+
+
 def collator_as_trainer_calls_it(trainer, collator):
     """``collator`` as the Trainer's training dataloader calls it: the examples' columns the model does not take
     removed first, when ``remove_unused_columns`` says so (``Trainer._get_collator_with_removed_columns``)."""
@@ -156,6 +181,8 @@ __all__ = [
     "attn_implementation",
     "check_trainer",
     "collator_as_trainer_calls_it",
+    "keep_label_smoothing_causal",
+    "ShiftingLabelSmoother",
     "missing_upstream_methods",
     "checkpointing_installed",
     "is_flash_attn_4_available",
