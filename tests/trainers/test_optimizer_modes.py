@@ -133,3 +133,41 @@ def test_a_trainer_given_such_an_optimizer_stops_before_odc_is_installed(tmp_pat
     results = run_ranks(_train_with, 2, str(tmp_path), timeout_s=120)
     assert results[0] == results[1] and results[0][1], results  # every rank, nothing installed to clean up
     assert results[0][0].startswith("odc_hf does not support WithModes under ODC"), results
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1),
+    lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    lambda p: torch.optim.Adagrad(p),
+    lambda p: torch.optim.RMSprop(p, momentum=0.5),
+    lambda p: torch.optim.Adam([{"params": p[:1], "lr": 1e-2}, {"params": p[1:], "amsgrad": True}]),
+], ids=["adamw", "adamw_fused", "sgd_nesterov", "adagrad", "rmsprop", "adam_two_groups"])  # fmt: skip
+def test_elementwise_optimizers_update_shards_as_the_whole(make):
+    check_optimizer(make([torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(2))]))
+
+
+def test_an_optimizer_reading_whole_tensor_statistics_is_refused_by_its_shards_behaviour():
+    """Adafactor (factored second moments, parameter scale) and Muon (orthogonalised updates) update a 4 x 6 tensor
+    otherwise than its two halves: refused by that measurement, with what to use. The same Adafactor with a group
+    option that makes it elementwise would pass: the test runs each parameter group's own options."""
+    from transformers.optimization import Adafactor
+
+    adafactor = Adafactor(_params(), lr=None, relative_step=True, scale_parameter=True, warmup_init=False)
+    with pytest.raises(NotImplementedError, match=r"^odc_hf does not support Adafactor: its update of a parameter is "
+                                                  r"not the updates of the parameter's shards \(two steps on a 4 x 6 "
+                                                  r"tensor moved it by up to \S+; the same steps on its two halves end "
+                                                  r"up to \S+ away from that\)\. .*optim='adamw_torch'"):  # fmt: skip
+        check_optimizer(adafactor)
+    with pytest.raises(NotImplementedError, match=r"^odc_hf does not support Muon: its update"):
+        check_optimizer(torch.optim.Muon([torch.nn.Parameter(torch.zeros(3, 2))]))
+
+
+def test_an_optimizer_that_cannot_run_on_cpu_tensors_is_not_judged():
+    class GpuOnly(torch.optim.SGD):
+        def step(self, closure=None):
+            if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+                raise RuntimeError("needs CUDA tensors")
+            return super().step(closure)
+
+    check_optimizer(GpuOnly(_params(), lr=0.1))

@@ -228,11 +228,20 @@ def check_not_quantized(model: torch.nn.Module) -> None:
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Refuse, under ODC, an optimizer that changes the parameters outside ``step()``: one with ``train()`` / ``eval()``
     modes (a schedule-free optimizer moves the parameters between two sequences when switched), or one that updates
-    them inside backward (LOMO's ``fused_backward``). ODC's peers gather the shards published after each step."""
+    them inside backward (LOMO's ``fused_backward``). ODC's peers gather the shards published after each step. Also one
+    whose update of a parameter is not the updates of its shards (:func:`shard_update_problem`)."""
     if callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None)):
         how = "its train()/eval() modes change the parameters outside optimizer.step() (a schedule-free optimizer)"
     elif callable(getattr(optimizer, "fused_backward", None)):
         how = "it updates the parameters inside backward (LOMO), before ODC has summed the gradients"
+    elif (problem := shard_update_problem(optimizer)) is not None:
+        raise NotImplementedError(
+            f"odc_hf does not support {type(optimizer).__name__}: its update of a parameter is not the updates of the "
+            f"parameter's shards ({problem}). odc_hf shards every parameter along its first dimension and each rank "
+            "updates its shard alone, as FSDP2 does, so the model would be trained by other numbers than the "
+            "optimizer's definition gives. Use an optimizer whose update is elementwise (optim='adamw_torch', "
+            "'adamw_torch_fused', 'sgd', 'adagrad', 'rmsprop', ...)"
+        )
     else:
         return
     raise NotImplementedError(
@@ -240,6 +249,49 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         "published after each optimizer step. Use an optimizer that changes the parameters in step() only "
         "(optim='adamw_torch', ...), or set ODCConfig(enabled=False) to run plain FSDP2 collectives"
     )
+
+
+def shard_update_problem(optimizer: torch.optim.Optimizer) -> str | None:
+    """How ``optimizer``'s update of a whole parameter differs from its updates of the parameter's two halves along
+    the first dimension (two shards), or ``None`` when they agree or it cannot be told.
+
+    A new optimizer of the same class, with each of ``optimizer``'s parameter groups' options in turn, takes two steps
+    on a 4 x 6 tensor and on its two 2 x 6 halves (as two parameters), on CPU with the same gradients. An elementwise
+    update (Adam, SGD with momentum, Adagrad, Lion) agrees to float noise; one that reads whole-tensor statistics
+    (Adafactor's factored moments and parameter scale, a trust ratio or norm per tensor as in LAMB, Muon's
+    orthogonalisation, GaLore's projections) does not. An optimizer that cannot run on CPU tensors (a GPU-only kernel)
+    cannot be told and is not refused."""
+    cls = type(optimizer)
+    generator = torch.Generator().manual_seed(0)
+    whole = torch.randn(4, 6, generator=generator)
+    grads = [torch.randn(4, 6, generator=generator) for _ in range(2)]
+    cpu = {"fused": False, "capturable": False, "foreach": False}  # the same arithmetic, on CPU tensors
+    defaults = {k: (cpu[k] if k in cpu and v else v) for k, v in optimizer.defaults.items()}
+    groups = []
+    for group in optimizer.param_groups:
+        options = {k: (cpu[k] if k in cpu and v else v) for k, v in group.items() if k != "params"}
+        if options not in groups:
+            groups.append(options)
+    for options in groups:
+        try:
+            one = torch.nn.Parameter(whole.clone())
+            halves = [torch.nn.Parameter(whole[:2].clone()), torch.nn.Parameter(whole[2:].clone())]
+            first = cls([{"params": [one], **options}], **defaults)
+            second = cls([{"params": halves, **options}], **defaults)
+            for grad in grads:
+                one.grad = grad.clone()
+                halves[0].grad, halves[1].grad = grad[:2].clone(), grad[2:].clone()
+                first.step()
+                second.step()
+        except Exception:  # noqa: BLE001 - an optimizer this test cannot run is not judged by it
+            return None
+        got = torch.cat([h.detach() for h in halves])
+        if not torch.allclose(one.detach(), got, rtol=1e-5, atol=1e-7):
+            moved = float((one.detach() - whole).abs().max())
+            apart = float((one.detach() - got).abs().max())
+            return (f"two steps on a 4 x 6 tensor moved it by up to {moved:.3g}; the same steps on its two halves "
+                    f"end up to {apart:.3g} away from that")  # fmt: skip
+    return None
 
 
 def fsdp_state_dict_type(accelerator: Accelerator) -> str:
