@@ -281,10 +281,11 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
         if self.odc_compute is not None:  # activation checkpointing for this budget, before prepare()
             activation_checkpointing.plan(self, max_tokens_per_microbatch)
         config = self.odc_config
+        data_seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed  # as the Trainer's
         sampler = self.odc_sampler_class(
             lengths, world_size=world, rank=rank, minibatch_size=self.odc_global_batch_size,
             max_tokens_per_microbatch=max_tokens_per_microbatch, mode=config.balance, cost_model=self._odc_cost_model(),
-            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed, shuffle=True, drop_last=self.args.dataloader_drop_last, truncate=config.truncate,
+            seed=data_seed, shuffle=True, drop_last=self.args.dataloader_drop_last, truncate=config.truncate,
             plan_ahead=config.plan_ahead,
         )  # fmt: skip
         pad = getattr(self.processing_class, "pad_token_id", None)
