@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--use_adaptive_entropy", action="store_true",
                    help="TRL's adaptive entropy coefficient (raised while the entropy is below --entropy_target)")
     p.add_argument("--entropy_target", type=float, default=0.2, help="with --use_adaptive_entropy")
+    p.add_argument("--top_entropy_quantile", type=float, default=1.0,
+                   help="train only on the tokens of the highest entropy: this fraction of each microbatch's (1: all)")
     p.add_argument("--num_prompts", type=int, default=256)
     p.add_argument("--num_generations", type=int, default=4)
     p.add_argument("--max_completion_length", type=int, default=48)
@@ -67,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--lora_r", type=int, default=8, help="LoRA rank (with --use_peft), on q_proj and v_proj")
     p.add_argument("--head_dim", type=int, choices=[16, 64], default=16,
                    help="the tiny model's head_dim: 64 is a wider tiny model FlashAttention-4 can run")
+    p.add_argument("--initializer_range", type=float, default=0.02,
+                   help="the tiny model's initial weights' standard deviation (larger: token entropies that differ)")
     p.add_argument("--untied_lm_head", action="store_true",
                    help="tiny model only: an lm_head of its own (Llama / Mistral style) instead of the tied embedding")
     p.add_argument("--report_to", default="none")
@@ -160,7 +164,8 @@ def build_model(args, tokenizer, output_dir: Path):
     if args.model_name_or_path:
         return args.model_name_or_path
     wide = TINY_HEAD_DIM_64 if args.head_dim == 64 else {}
-    model = tiny_qwen2_model(tokenizer, seed=args.seed, tie_word_embeddings=not args.untied_lm_head, **wide)
+    model = tiny_qwen2_model(tokenizer, seed=args.seed, tie_word_embeddings=not args.untied_lm_head,
+                             initializer_range=args.initializer_range, **wide)
     if args.beta == 0.0:
         return model
     path = output_dir / "init_model"
@@ -199,7 +204,7 @@ def train_one(args, loss_type: str, tokenizer, dataset):
         eval_on_start=args.eval_on_start and bool(args.eval_steps), sync_ref_model=args.ref_model_sync_steps > 0,
         ref_model_sync_steps=max(args.ref_model_sync_steps, 1), ref_model_mixup_alpha=args.ref_model_mixup_alpha,
         entropy_coef=args.entropy_coef, use_adaptive_entropy=args.use_adaptive_entropy,
-        entropy_target=args.entropy_target,
+        entropy_target=args.entropy_target, top_entropy_quantile=args.top_entropy_quantile,
     )  # fmt: skip
     kwargs = dict(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
                   processing_class=tokenizer)  # fmt: skip

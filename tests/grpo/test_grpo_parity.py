@@ -178,3 +178,47 @@ def test_the_entropy_bonus_trains_as_trls(entropy_bonus, kind, loss_type):
         assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
     assert_same_metrics(odc["history"], trl["history"], rel=1e-5, abs=1e-7, skip=("loss", "grad_norm"))
+
+
+@pytest.fixture(scope="module")
+def top_entropy(tmp_path_factory):
+    """TRL's ``top_entropy_quantile=0.5``, every loss type, a second iteration per generation, on the uneven plan
+    (packed rows of 64 tokens: ranks run 3 and 4 microbatches where TRL runs 2) and the zero plan (padded, one rank
+    trains nothing), against TRL, and TRL training on every token (the control). The tiny model starts with weights
+    of standard deviation 0.2: at 0.02 its token entropies lie within 1e-5 of each other (8.3048 +- 1e-5 nats,
+    measured), where the two runs' float noise (~1e-6) reorders the tokens next to a quantile."""
+    tmp = tmp_path_factory.mktemp("grpo_top_entropy")
+    base = [*NO_EVALUATION, "--num_iterations", "2", "--epsilon", "0.05", "--initializer_range", "0.2"]
+    quantile = ["--top_entropy_quantile", "0.5"]
+    launch_bound = tmp / "launch_bound.json"
+    launch_bound.write_text(json.dumps(LAUNCH_BOUND))
+    return {"uneven": grpo_run(tmp / "odc", *base, *quantile, "--trainer", "odc", "--balance", "lb_mini",
+                               "--max_tokens_per_microbatch", "64", "--cost_model", str(_quadratic(tmp))),
+            "zero": grpo_run(tmp / "zero", *base, *quantile, "--trainer", "odc", "--balance", "lb_mini",
+                             "--max_tokens_per_microbatch", "4096", "--cost_model", str(launch_bound),
+                             "--grpo_layout", "padded"),
+            "trl": grpo_run(tmp / "trl", *base, *quantile, "--trainer", "trl"),
+            "every_token": grpo_run(tmp / "every_token", *base, "--trainer", "trl")}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("plan", ["uneven", "zero"])
+def test_training_on_the_highest_entropy_tokens_is_trls(top_entropy, loss_type, plan):
+    """Each row keeps the tokens that reach its TRL microbatch's entropy quantile over every rank (from a pass
+    without gradients before the step): losses, gradient norms and every metric equal TRL's; training on every
+    token (the control) moves the gradient norms by > 1e-2 relative at every step."""
+    from test_grpo_metrics import assert_same_metrics
+
+    odc, trl = top_entropy[plan][loss_type], top_entropy["trl"][loss_type]
+    counts = [s["microbatches"] for s in odc["steps"]]
+    if plan == "uneven":
+        assert any(len(set(c)) > 1 and min(c) > 0 for c in counts), counts
+    else:
+        assert 0 in counts[0], counts
+    for a, b in zip(odc["history"], trl["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+    assert_same_metrics(odc["history"], trl["history"], rel=1e-5, abs=1e-7, skip=("loss", "grad_norm"))
+    every = top_entropy["every_token"][loss_type]["history"]
+    assert all(abs(a["grad_norm"] / c["grad_norm"] - 1) > 1e-2 for a, c in zip(trl["history"], every))

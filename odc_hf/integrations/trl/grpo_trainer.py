@@ -44,6 +44,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import send_to_device
 from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 from trl import GRPOTrainer
@@ -81,6 +82,7 @@ from odc_hf.integrations.upstream.trl import (
     last_world_entropy,
     logged_metrics,
     set_last_world_entropy,
+    token_entropies,
     trl_entropy_bonus_off,
 )
 from odc_hf.integrations.vllm.sync import adopt_generation
@@ -143,6 +145,10 @@ class _GRPOPart:
         self._odc_forward: tuple | None = None  # (log-probs, entropies) of the last training forward
         self._odc_replay: tuple | None = None  # what _get_per_token_logps_and_entropies returns while recomputing
         self._odc_packed: dict | None = None  # the packed row of the microbatch compute_loss is on (packed layout)
+        self.odc_entropy_thresholds: torch.Tensor | None = None  # top_entropy_quantile: this step's, per TRL slice
+        self._odc_row_thresholds: torch.Tensor | None = None  # and per row of the microbatch compute_loss is on
+        self._odc_step_entropies: list[torch.Tensor] = []  # the step's entropies per microbatch, from that pass
+        self._odc_row_entropies: torch.Tensor | None = None  # those of the microbatch compute_loss is on
         self.odc_grpo_packed = self._odc_packed_layout()
         if self.accelerator.is_main_process:
             logger.info("odc_hf: GRPO training microbatches %s (grpo_layout=%r)",
@@ -228,7 +234,57 @@ class _GRPOPart:
             self.odc_generation_steps = 0
         bundle, self.odc_plan_summary = self.odc_bundles[self.odc_generation_steps % self.odc_steps_per_generation]
         self.odc_generation_steps += 1
+        if self.top_entropy_quantile < 1.0:
+            self.odc_entropy_thresholds, self._odc_step_entropies = self._odc_entropy_thresholds(model, bundle)
         return super().training_step(model, bundle, num_items_in_batch)
+
+    @torch.no_grad()
+    def _odc_entropy_thresholds(self, model, bundle: GRPOBundle) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``top_entropy_quantile``: TRL keeps, in each of its microbatches, the tokens whose entropy reaches the
+        ``1 - top_entropy_quantile`` quantile of that microbatch's entropies on every rank (``get_high_entropy_mask``
+        gathers them). ODC's microbatches hold other samples, so before the step's training forwards each rank runs its
+        microbatches once without gradients (the same rows and parameters: the entropies the training forwards then
+        compute), and one exchange gives every rank each TRL microbatch's (slice's) values: its threshold, per slice
+        of the step (``inf`` for a slice without tokens: TRL then keeps none). Returned with each microbatch's
+        entropies, which decide its tokens (:meth:`get_high_entropy_mask`): the values the thresholds were taken from,
+        so that a token whose entropy is its slice's quantile itself is kept, as in TRL."""
+        local: dict[int, list[torch.Tensor]] = {}
+        per_microbatch = []
+        for microbatch in bundle.microbatches:
+            batch = send_to_device(dict(microbatch), self.accelerator.device)
+            self._odc_packed = batch.pop(PACKED_KEY, None)
+            try:
+                input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+                attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+                entropies = token_entropies(self, model, input_ids, attention_mask, batch["completion_ids"].size(1))
+            finally:
+                self._odc_packed = self._odc_forward = None
+            per_microbatch.append(entropies.detach())
+            keep = loss_mask(batch).bool()
+            for g in batch["odc_slice"].unique().tolist():
+                rows_of = (batch["odc_slice"] == g).to(keep.device)
+                local.setdefault(int(g), []).append(entropies[rows_of][keep[rows_of]].float().cpu())
+        parts = [{g: torch.cat(values) for g, values in local.items()}]
+        if self.accelerator.num_processes > 1:
+            parts = [None] * self.accelerator.num_processes
+            dist.all_gather_object(parts, {g: torch.cat(values) for g, values in local.items()})
+        thresholds = torch.full((self.odc_folded_accumulation,), float("inf"))
+        for g in range(self.odc_folded_accumulation):
+            values = [part[g] for part in parts if g in part]
+            values = torch.cat(values) if values else torch.zeros(0)
+            if values.numel():
+                thresholds[g] = torch.quantile(values, 1 - self.top_entropy_quantile)
+        return thresholds, per_microbatch
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's mask of the tokens whose entropy reaches its microbatch's quantile; on an ODC microbatch each row's
+        threshold is its TRL microbatch's (:meth:`_odc_entropy_thresholds`): ``mask`` there carries ODC's sample
+        weights (>= 1 on kept tokens), so only its non-zero entries are read."""
+        if self._odc_row_thresholds is None:  # evaluation, or TRL's own layout
+            return super().get_high_entropy_mask(entropies, mask, threshold)
+        own = self._odc_row_entropies
+        rows = self._odc_row_thresholds.to(own.device, own.dtype).unsqueeze(1)
+        return (own >= rows) & mask.bool()
 
     @contextlib.contextmanager
     def _odc_generate_without_lockstep(self):
@@ -345,6 +401,9 @@ class _GRPOPart:
         self._odc_packed = inputs.pop(PACKED_KEY, None)
         slices = inputs.pop("odc_slice")
         weights = inputs.pop("odc_weight")
+        if self.odc_entropy_thresholds is not None:  # this microbatch's, in the order the step runs them
+            self._odc_row_thresholds = self.odc_entropy_thresholds[slices.cpu()]
+            self._odc_row_entropies = self._odc_step_entropies.pop(0)
         entropy_weights = inputs.pop("odc_entropy_weight", None)
         # TRL: normaliser = num_items / W * current_gradient_accumulation_steps (1 here) / steps_per_generation
         inputs["num_items_in_batch"] = torch.tensor(
@@ -361,7 +420,7 @@ class _GRPOPart:
                 self._odc_recompute_metrics(model, inputs, slices, weights if bonus else None)
         finally:
             self.loss_type = loss_type
-            self._odc_forward = self._odc_packed = None
+            self._odc_forward = self._odc_packed = self._odc_row_thresholds = self._odc_row_entropies = None
         if bonus:
             loss = loss - self._odc_entropy_bonus(inputs, entropies, entropy_weights)
         return loss
@@ -468,12 +527,16 @@ class _GRPOPart:
         accumulation steps."""
         logps, entropies, aux = self._odc_forward
         size, accelerator = slices.numel(), self.accelerator
+        row_thresholds, row_entropies = self._odc_row_thresholds, self._odc_row_entropies
         metrics = logged_metrics(self)
         appended = {key: len(values) for key, values in metrics.items()}  # what the replays append is dropped below
         try:
             for g in slices.unique().tolist():
                 index = (slices == g).nonzero().flatten().to(logps.device)
                 self._odc_replay = (logps[index].detach(), entropies[index].detach(), aux)
+                if row_thresholds is not None:
+                    self._odc_row_thresholds = row_thresholds[index.cpu()]
+                    self._odc_row_entropies = row_entropies[index.to(row_entropies.device)]
                 self.accelerator = recorder = MetricRecorder(accelerator)
                 super().compute_loss(model, rows(inputs, index, size))
                 self.odc_slice_metrics.add(int(g), recorder)
@@ -484,6 +547,7 @@ class _GRPOPart:
                     self.odc_slice_metrics.add_policy_loss(int(g), float(share) * self.odc_policy_loss_factor)
         finally:
             self._odc_replay, self.accelerator = None, accelerator
+            self._odc_row_thresholds, self._odc_row_entropies = row_thresholds, row_entropies
             for key in list(metrics):
                 del metrics[key][appended.get(key, 0) :]
 

@@ -73,6 +73,13 @@ def generate_and_score_completions(trainer, inputs) -> dict:
     return trainer._generate_and_score_completions(inputs)
 
 
+def token_entropies(trainer, model, input_ids, attention_mask, logits_to_keep):
+    """The per-token entropies of the completions, as TRL's loss computes them
+    (``GRPOTrainer._get_per_token_logps_and_entropies``, through ODC's override of it)."""
+    return trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+                                                      compute_entropy=True)[1]  # fmt: skip
+
+
 def logged_metrics(trainer, mode: str = "train") -> dict:
     """TRL's per-step metric lists of a trainer (``_metrics[mode]``), which odc_hf re-aggregates once per step."""
     return trainer._metrics[mode]
