@@ -198,7 +198,15 @@ def top_entropy(tmp_path_factory):
                              "--max_tokens_per_microbatch", "4096", "--cost_model", str(launch_bound),
                              "--grpo_layout", "padded"),
             "trl": grpo_run(tmp / "trl", *base, *quantile, "--trainer", "trl"),
-            "every_token": grpo_run(tmp / "every_token", *base, "--trainer", "trl")}  # fmt: skip
+            "every_token": grpo_run(tmp / "every_token", *base, "--trainer", "trl"),
+            # with TRL's adaptive entropy bonus: a mean over each TRL microbatch's kept tokens on its rank
+            "bonus": grpo_run(tmp / "bonus", *base, *quantile, *BONUS, "--trainer", "odc", "--balance", "lb_mini",
+                              "--max_tokens_per_microbatch", "64", "--cost_model", str(_quadratic(tmp))),
+            "trl_bonus": grpo_run(tmp / "trl_bonus", *base, *quantile, *BONUS, "--trainer", "trl")}  # fmt: skip
+
+
+BONUS = ["--loss_type", "dapo,grpo,bnpo,sapo", "--entropy_coef", "0.01", "--use_adaptive_entropy", "--entropy_target",
+         "9.0"]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -222,3 +230,20 @@ def test_training_on_the_highest_entropy_tokens_is_trls(top_entropy, loss_type, 
     assert_same_metrics(odc["history"], trl["history"], rel=1e-5, abs=1e-7, skip=("loss", "grad_norm"))
     every = top_entropy["every_token"][loss_type]["history"]
     assert all(abs(a["grad_norm"] / c["grad_norm"] - 1) > 1e-2 for a, c in zip(trl["history"], every))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "sapo"])
+def test_the_highest_entropy_tokens_with_an_entropy_bonus_train_as_trls(top_entropy, loss_type):
+    """The bonus acts on the kept tokens, a mean over those of each TRL microbatch on its rank (their count, from the
+    pass before the step, is each sample's weight), and the adaptive coefficient follows their entropy."""
+    from test_grpo_metrics import assert_same_metrics
+
+    odc, trl = top_entropy["bonus"][loss_type], top_entropy["trl_bonus"][loss_type]
+    assert [h["entropy_coef"] for h in trl["history"]] == pytest.approx([0.015, 0.02, 0.025, 0.03])
+    for a, b in zip(odc["history"], trl["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=1e-6), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+    assert_same_metrics(odc["history"], trl["history"], rel=1e-5, abs=1e-7, skip=("loss", "grad_norm"))
+    without = top_entropy["trl"][loss_type]["history"]  # the control: no bonus
+    assert all(abs(a["loss"] - c["loss"]) > 1e-3 for a, c in zip(trl["history"][1:], without[1:]))

@@ -187,8 +187,9 @@ def collate(samples: list[dict], pad_token_id: int, device, *, pad_to_multiple_o
     batch["odc_weight"] = torch.tensor([s["weight"] for s in samples], dtype=torch.float64)
     if "entropy_weight" in samples[0]:  # the entropy bonus's weight of each sample (ODCGRPOTrainer)
         batch["odc_entropy_weight"] = torch.tensor([s["entropy_weight"] for s in samples], dtype=torch.float64)
-    if "odc_slice" in samples[0]:  # the TRL microbatch (slice) of each sample, for TRL's per-slice metrics
-        batch["odc_slice"] = torch.tensor([s["odc_slice"] for s in samples], dtype=torch.long)
+    for key in ("odc_slice", "odc_origin"):  # each sample's TRL microbatch: its slice (per-slice metrics), its rank
+        if key in samples[0]:
+            batch[key] = torch.tensor([s[key] for s in samples], dtype=torch.long)
     batch["num_label_tokens"] = int(loss_mask(batch).sum())
     if packed:
         batch[PACKED_KEY] = pack_rows(torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),

@@ -65,12 +65,6 @@ def refusals(args, grad_accum: int) -> list[str]:
             "generates its ranks' prompts together, in lockstep; untested with ODC): use "
             "vllm_tensor_parallel_size=1"
         )
-    bonus = args.entropy_coef != 0.0 or args.use_adaptive_entropy
-    if args.top_entropy_quantile < 1.0 and bonus:
-        refuse.append(
-            "top_entropy_quantile < 1 together with an entropy bonus (entropy_coef, use_adaptive_entropy): TRL's "
-            "bonus is then a mean over each of its microbatches' kept tokens on one rank; use one of the two"
-        )
     return refuse
 
 

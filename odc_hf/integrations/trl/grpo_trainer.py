@@ -149,6 +149,7 @@ class _GRPOPart:
         self._odc_row_thresholds: torch.Tensor | None = None  # and per row of the microbatch compute_loss is on
         self._odc_step_entropies: list[torch.Tensor] = []  # the step's entropies per microbatch, from that pass
         self._odc_row_entropies: torch.Tensor | None = None  # those of the microbatch compute_loss is on
+        self.odc_kept_tokens: torch.Tensor | None = None  # the tokens kept per (rank, TRL slice) of the step
         self.odc_grpo_packed = self._odc_packed_layout()
         if self.accelerator.is_main_process:
             logger.info("odc_hf: GRPO training microbatches %s (grpo_layout=%r)",
@@ -235,20 +236,24 @@ class _GRPOPart:
         bundle, self.odc_plan_summary = self.odc_bundles[self.odc_generation_steps % self.odc_steps_per_generation]
         self.odc_generation_steps += 1
         if self.top_entropy_quantile < 1.0:
-            self.odc_entropy_thresholds, self._odc_step_entropies = self._odc_entropy_thresholds(model, bundle)
+            self.odc_entropy_thresholds, self._odc_step_entropies, self.odc_kept_tokens = (
+                self._odc_entropy_thresholds(model, bundle))
         return super().training_step(model, bundle, num_items_in_batch)
 
     @torch.no_grad()
-    def _odc_entropy_thresholds(self, model, bundle: GRPOBundle) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _odc_entropy_thresholds(self, model, bundle: GRPOBundle):
         """``top_entropy_quantile``: TRL keeps, in each of its microbatches, the tokens whose entropy reaches the
         ``1 - top_entropy_quantile`` quantile of that microbatch's entropies on every rank (``get_high_entropy_mask``
         gathers them). ODC's microbatches hold other samples, so before the step's training forwards each rank runs its
         microbatches once without gradients (the same rows and parameters: the entropies the training forwards then
-        compute), and one exchange gives every rank each TRL microbatch's (slice's) values: its threshold, per slice
-        of the step (``inf`` for a slice without tokens: TRL then keeps none). Returned with each microbatch's
-        entropies, which decide its tokens (:meth:`get_high_entropy_mask`): the values the thresholds were taken from,
-        so that a token whose entropy is its slice's quantile itself is kept, as in TRL."""
-        local: dict[int, list[torch.Tensor]] = {}
+        compute), and one exchange gives every rank the values of each TRL microbatch (slice) of each rank.
+
+        Returns the threshold per slice of the step (``inf`` for a slice without tokens: TRL then keeps none); each
+        microbatch's entropies, which decide its tokens (:meth:`get_high_entropy_mask`: the values the thresholds were
+        taken from, so that a token whose entropy is its slice's quantile itself is kept, as in TRL); and the tokens
+        kept in each rank's TRL microbatch, (ranks, slices): an entropy bonus's normaliser, which TRL takes per
+        microbatch on one rank."""
+        local: dict[tuple[int, int], list[torch.Tensor]] = {}
         per_microbatch = []
         for microbatch in bundle.microbatches:
             batch = send_to_device(dict(microbatch), self.accelerator.device)
@@ -261,20 +266,30 @@ class _GRPOPart:
                 self._odc_packed = self._odc_forward = None
             per_microbatch.append(entropies.detach())
             keep = loss_mask(batch).bool()
-            for g in batch["odc_slice"].unique().tolist():
-                rows_of = (batch["odc_slice"] == g).to(keep.device)
-                local.setdefault(int(g), []).append(entropies[rows_of][keep[rows_of]].float().cpu())
-        parts = [{g: torch.cat(values) for g, values in local.items()}]
+            owners = torch.stack([batch["odc_origin"], batch["odc_slice"]], dim=1)
+            for origin, g in owners.unique(dim=0).tolist():
+                rows_of = ((batch["odc_origin"] == origin) & (batch["odc_slice"] == g)).to(keep.device)
+                local.setdefault((origin, g), []).append(entropies[rows_of][keep[rows_of]].float().cpu())
+        mine = {key: torch.cat(values) for key, values in local.items()}
+        parts = [mine]
         if self.accelerator.num_processes > 1:
             parts = [None] * self.accelerator.num_processes
-            dist.all_gather_object(parts, {g: torch.cat(values) for g, values in local.items()})
-        thresholds = torch.full((self.odc_folded_accumulation,), float("inf"))
-        for g in range(self.odc_folded_accumulation):
-            values = [part[g] for part in parts if g in part]
+            dist.all_gather_object(parts, mine)
+        every: dict[tuple[int, int], torch.Tensor] = {}  # a TRL microbatch's rows may sit on several ranks
+        for part in parts:
+            for key, values in part.items():
+                every[key] = torch.cat([every[key], values]) if key in every else values
+        slices = self.odc_folded_accumulation
+        thresholds = torch.full((slices,), float("inf"))
+        kept = torch.zeros(self.accelerator.num_processes, slices)
+        for g in range(slices):
+            values = [v for (_, h), v in every.items() if h == g]
             values = torch.cat(values) if values else torch.zeros(0)
             if values.numel():
                 thresholds[g] = torch.quantile(values, 1 - self.top_entropy_quantile)
-        return thresholds, per_microbatch
+        for (origin, g), values in every.items():
+            kept[origin, g] += float((values >= thresholds[g]).sum())
+        return thresholds, per_microbatch, kept
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's mask of the tokens whose entropy reaches its microbatch's quantile; on an ODC microbatch each row's
@@ -349,6 +364,7 @@ class _GRPOPart:
             # the optimizer step of the generation that trains it, and its TRL microbatch (slice) within that step:
             # TRL's metrics are defined per slice
             sample["odc_step"], sample["odc_slice"] = divmod(g, accumulation)
+            sample["odc_origin"] = self.accelerator.process_index  # the rank whose TRL microbatch holds it
         gathered: list = [local]
         if self.accelerator.num_processes > 1:  # one process: no process group, nothing to exchange
             gathered = [None] * self.accelerator.num_processes
@@ -401,10 +417,16 @@ class _GRPOPart:
         self._odc_packed = inputs.pop(PACKED_KEY, None)
         slices = inputs.pop("odc_slice")
         weights = inputs.pop("odc_weight")
+        entropy_weights = inputs.pop("odc_entropy_weight", None)
+        origins = inputs.pop("odc_origin", None)
+        kept = None  # the tokens an entropy bonus acts on: all of the loss mask's but with top_entropy_quantile
         if self.odc_entropy_thresholds is not None:  # this microbatch's, in the order the step runs them
             self._odc_row_thresholds = self.odc_entropy_thresholds[slices.cpu()]
             self._odc_row_entropies = self._odc_step_entropies.pop(0)
-        entropy_weights = inputs.pop("odc_entropy_weight", None)
+            kept = self.get_high_entropy_mask(self._odc_row_entropies, loss_mask(inputs), 0.0)
+            # TRL's bonus: a mean over the kept tokens of each of its microbatches (rank, slice)
+            tokens = self.odc_kept_tokens[origins.cpu(), slices.cpu()].double().clamp(min=1.0)
+            entropy_weights = 1.0 / (tokens * self.odc_folded_accumulation * self.accelerator.num_processes)
         # TRL: normaliser = num_items / W * current_gradient_accumulation_steps (1 here) / steps_per_generation
         inputs["num_items_in_batch"] = torch.tensor(
             self.accelerator.num_processes * self.args.steps_per_generation / self.odc_weight_scale,
@@ -422,7 +444,7 @@ class _GRPOPart:
             self.loss_type = loss_type
             self._odc_forward = self._odc_packed = self._odc_row_thresholds = self._odc_row_entropies = None
         if bonus:
-            loss = loss - self._odc_entropy_bonus(inputs, entropies, entropy_weights)
+            loss = loss - self._odc_entropy_bonus(inputs, entropies, entropy_weights, kept)
         return loss
 
     def _odc_weighted_loss(self, model, inputs: dict, weights: torch.Tensor, *args, policy_only: bool = False):
@@ -447,12 +469,14 @@ class _GRPOPart:
             self.router_aux_loss_coef = coefficient
         return loss * scale if scale != 1.0 else loss
 
-    def _odc_entropy_bonus(self, inputs: dict, entropies: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _odc_entropy_bonus(self, inputs: dict, entropies: torch.Tensor, weights: torch.Tensor,
+                           kept: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """TRL's entropy bonus of this microbatch's samples: the coefficient TRL applies this step times ``sum_i e_i *
         sum_t(entropy * mask)``, e_i = 1 / (tokens of the sample's TRL microbatch x G x W) (TRL subtracts each of its
         microbatches' token mean, divided by the accumulation steps; DDP averages over ranks). With
-        ``use_adaptive_entropy`` the step's token totals are kept for the coefficient's update at its end."""
-        mask = loss_mask(inputs)
+        ``use_adaptive_entropy`` the step's token totals are kept for the coefficient's update at its end. ``kept``:
+        the tokens it acts on where ``top_entropy_quantile`` keeps only some (the weights then count those)."""
+        mask = loss_mask(inputs) if kept is None else loss_mask(inputs) * kept
         per_sample = (entropies * mask).sum(-1)
         if self.use_adaptive_entropy:
             apply = self.entropy_coef if last_world_entropy(self) <= self.args.entropy_target else 0.0
