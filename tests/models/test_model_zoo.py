@@ -161,6 +161,21 @@ def test_a_router_loss_beside_sapo_and_an_entropy_bonus_is_trls(tmp_path, cpu_en
     assert difference <= RTOL, (ours["history"], reference["history"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "gemma2", "mistral_window"])
+def test_the_highest_entropy_tokens_with_an_entropy_bonus_train_as_trls(tmp_path, cpu_env, name):
+    """TRL's top_entropy_quantile with its entropy bonus on families with a router loss (Qwen3-MoE, GPT-OSS: sinks
+    too), soft-capping (Gemma 2) and a sliding window (Mistral): the pass before the step runs the family's own
+    attention and router as the training forward does; loss, gradient norm, router loss, policy_loss as TRL's. The LM
+    head is scaled by 20: token entropies then span 0.5-6.5 nats, neighbours >= 7e-5 apart (measured on 60 tokens of
+    each family), where at 1 they span 8.3110-8.3118 with ties, and float noise picks the quantile's side."""
+    extra = {"top_entropy_quantile": 0.5, "entropy_coef": 0.01, "logit_scale": 20.0}
+    ours = zoo_runs.grpo_run(name, tmp_path / "odc", "odc", **extra)
+    reference = zoo_runs.grpo_run(name, tmp_path / "trl", "trl", **extra)
+    difference = largest_difference(ours["history"], reference["history"], ("loss", "grad_norm", "aux_loss", "policy_loss"))
+    assert difference <= RTOL, (ours["history"], reference["history"])
+
+
 GRPO_SPLIT_NAMES = [name for name in GRPO_NAMES if "router_aux" not in FAMILIES[name].variants]
 """Families whose GRPO loss does not depend on which rows share a microbatch (a router loss does: its per-expert token
 shares are per microbatch, so odc_hf's own packing of the rows gives another one; those rows run one microbatch)."""

@@ -455,11 +455,14 @@ def rollouts(tokenizer):
     return rollout
 
 
-def grpo_run(name: str, out, trainer: str, split: bool = False, **grpo_args) -> dict:
+def grpo_run(name: str, out, trainer: str, split: bool = False, logit_scale: float = 1.0, **grpo_args) -> dict:
     """TRL's GRPOTrainer (padded rows, the model's own attention) or ODCGRPOTrainer (packed rows, odc_hf's attention)
     in one process, ``GRPO_STEPS`` steps on the same rollouts: one microbatch each, or with ``split`` several (TRL:
     2 microbatches of 4 rows; odc_hf: packed rows of at most ``GRPO_SPLIT_TOKENS`` tokens, so their dealing differs
-    from TRL's, which a loss normalised over the whole generation batch does not see; a router loss would)."""
+    from TRL's, which a loss normalised over the whole generation batch does not see; a router loss would).
+    ``logit_scale`` multiplies the LM head's weights (the embeddings, where tied): a tiny model's token entropies
+    otherwise lie within 1e-5 of each other, where a quantile over them (``top_entropy_quantile``) is decided by
+    float noise."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -474,7 +477,11 @@ def grpo_run(name: str, out, trainer: str, split: bool = False, **grpo_args) -> 
                       learning_rate=3e-3, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                       max_grad_norm=1.0, beta=0.0, seed=SEED, logging_steps=1, save_strategy="no", report_to="none",
                       bf16=False, use_cpu=True, disable_tqdm=True, shuffle_dataset=False, **grpo_args)  # fmt: skip
-    kwargs = dict(model=build(name, tokenizer), reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+    model = build(name, tokenizer)
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(logit_scale)
+    kwargs = dict(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
                   args=args, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
                   rollout_func=rollouts(tokenizer))  # fmt: skip
     if trainer == "odc":
