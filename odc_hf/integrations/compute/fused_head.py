@@ -196,12 +196,14 @@ SFT_HEAD_OUTPUTS = ("log_probs", "entropy", "is_top1")
 
 
 def install_fused_head(model, outputs: tuple[str, ...] = ("log_probs",)) -> bool:
-    """TRL's chunked fused LM head on a plain causal LM (``model(..., fused_lm_head=True)``); False without it."""
+    """TRL's chunked fused LM head on a plain causal LM (``model(..., fused_lm_head=True)``); False without it. On a
+    PEFT model it goes on the transformers model inside, as TRL requires (the adapter's forward passes the keyword on):
+    on the ``PeftModel`` itself it would take the whole model's output for the backbone's."""
     try:
         from trl.trainer.utils import add_fused_lm_head
     except ImportError:  # trl < 1.16
         return False
-    add_fused_lm_head(model, outputs=outputs)
+    add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model, outputs=outputs)
     return True
 
 
