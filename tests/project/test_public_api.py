@@ -4,8 +4,8 @@ the whole minibatches (tests/support/api_runs.py), with uneven microbatch counts
 - ``ODCAccelerator(...)`` + ``prepare()`` in a user's own accelerate loop, and ``odc_hf.prepare(Accelerator(), ...)``:
   against plain torch in one process (every sample alone through the unsharded model);
 - ``ODCTrainer`` on a plain transformers causal-LM task, with transformers' causal-LM data collator given (its labels
-  trained), with the Trainer's label smoothing, and ``make_odc_trainer`` on a user's Trainer subclass with its own
-  loss: against those same Trainer classes in one process (padded batches, sdpa), final saved weights included.
+  trained), with the Trainer's label smoothing, on a LoRA model, and ``make_odc_trainer`` on a user's Trainer subclass
+  with its own loss: against those same Trainer classes in one process (padded batches, sdpa), final saved weights included.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def trainers(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["plain_trainer", "user_subclass", "lm_collator", "label_smoothing"])
+@pytest.mark.parametrize("task", ["plain_trainer", "user_subclass", "lm_collator", "label_smoothing", "lora"])
 def test_odc_trainers_match_their_trainer_class_in_one_process(trainers, task):
     from safetensors.torch import load_file
 
@@ -82,11 +82,12 @@ def test_odc_trainers_match_their_trainer_class_in_one_process(trainers, task):
     assert (odc["class"], ref["class"]) == {"plain_trainer": ("ZeroFirstODCTrainer", "Trainer"),
                                             "user_subclass": ("ZeroFirstODCLabelSmoothingTrainer", "LabelSmoothingTrainer"),
                                             "lm_collator": ("ZeroFirstODCTrainer", "Trainer"),
-                                            "label_smoothing": ("ZeroFirstODCTrainer", "Trainer")}[task]  # fmt: skip
+                                            "label_smoothing": ("ZeroFirstODCTrainer", "Trainer"),
+                                            "lora": ("ZeroFirstODCTrainer", "Trainer")}[task]  # fmt: skip
     _check_counts(odc["microbatches"])
     assert_same_steps(odc["history"], ref["history"], range(1, api_runs.STEPS + 1))
-    _close(load_file(str(odc_dir / task / "model.safetensors")), load_file(str(ref_dir / task / "model.safetensors")),
-           saved=True)  # fmt: skip
+    saved = "adapter_model.safetensors" if task == "lora" else "model.safetensors"  # a PeftModel saves its adapter
+    _close(load_file(str(odc_dir / task / saved)), load_file(str(ref_dir / task / saved)), saved=True)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@
 ``odc_hf.prepare(Accelerator(), ...)``. ``trainers``: ``ODCTrainer`` on a plain transformers causal-LM task and
 ``make_odc_trainer`` on a user's Trainer subclass (label-smoothed loss), and ``ODCTrainer`` given transformers'
 causal-LM data collator (documents ending with the end-of-text token, which is also the pad token: the collator
-labels none of them), and ``ODCTrainer`` with the Trainer's ``label_smoothing_factor``; ``trainers-reference``: the same Trainer classes without ODC, in one process on each whole
+labels none of them), ``ODCTrainer`` with the Trainer's ``label_smoothing_factor``, and on a LoRA model; ``trainers-reference``: the same Trainer classes without ODC, in one process on each whole
 minibatch, and the control ``end_of_text_trained`` (those documents, every token trained). :func:`loop_reference` is the loops' reference:
 plain torch, one process, every sample of a minibatch alone through the unsharded model.
 
@@ -195,6 +195,8 @@ def run_trainers(out: Path, reference: bool) -> None:
     # FSDP2's sharding changes (the sharded run compared each position's logits with its own token: loss 7.28
     # against the Trainer's 8.31 at step 1, measured)
     classes["label_smoothing"] = (Trainer, ODCTrainer)
+    # a LoRA model the user made (a PeftModel): odc_hf's fused loss goes inside the adapter
+    classes["lora"] = (Trainer, ODCTrainer)
     if reference:  # the control: the same documents with every end-of-text token trained
         classes["end_of_text_trained"] = (Trainer, None)
     for name, (plain, with_odc) in classes.items():
@@ -205,6 +207,12 @@ def run_trainers(out: Path, reference: bool) -> None:
             data = with_end_of_text(data, tokenizer)
         if name == "lm_collator":
             collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        if name == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(sft_runs.SEED)  # the adapter's random init: the same in every process
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                                     init_lora_weights=False))  # fmt: skip
         if reference:
             data = data.select(sft_runs.minibatch_order(len(data)))
             args = _training_args(out / name, per_device_train_batch_size=8, train_sampling_strategy="sequential",
