@@ -146,9 +146,8 @@ class _GRPOPart:
         self._odc_replay: tuple | None = None  # what _get_per_token_logps_and_entropies returns while recomputing
         self._odc_packed: dict | None = None  # the packed row of the microbatch compute_loss is on (packed layout)
         self.odc_entropy_thresholds: torch.Tensor | None = None  # top_entropy_quantile: this step's, per TRL slice
-        self._odc_row_thresholds: torch.Tensor | None = None  # and per row of the microbatch compute_loss is on
         self._odc_step_entropies: list[torch.Tensor] = []  # the step's entropies per microbatch, from that pass
-        self._odc_row_entropies: torch.Tensor | None = None  # those of the microbatch compute_loss is on
+        self._odc_keep: torch.Tensor | None = None  # the tokens kept in the microbatch compute_loss is on
         self.odc_kept_tokens: torch.Tensor | None = None  # the tokens kept per (rank, TRL slice) of the step
         self.odc_grpo_packed = self._odc_packed_layout()
         if self.accelerator.is_main_process:
@@ -292,14 +291,12 @@ class _GRPOPart:
         return thresholds, per_microbatch, kept
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-        """TRL's mask of the tokens whose entropy reaches its microbatch's quantile; on an ODC microbatch each row's
-        threshold is its TRL microbatch's (:meth:`_odc_entropy_thresholds`): ``mask`` there carries ODC's sample
-        weights (>= 1 on kept tokens), so only its non-zero entries are read."""
-        if self._odc_row_thresholds is None:  # evaluation, or TRL's own layout
+        """TRL's mask of the tokens whose entropy reaches its microbatch's quantile; on an ODC microbatch the tokens
+        ``compute_loss`` found reaching their own TRL microbatch's (:meth:`_odc_entropy_thresholds`). ``mask`` there
+        carries ODC's sample weights (>= 1 on the loss's tokens): only its non-zero entries are read."""
+        if self._odc_keep is None:  # evaluation, or TRL's own layout
             return super().get_high_entropy_mask(entropies, mask, threshold)
-        own = self._odc_row_entropies
-        rows = self._odc_row_thresholds.to(own.device, own.dtype).unsqueeze(1)
-        return (own >= rows) & mask.bool()
+        return self._odc_keep & mask.bool()
 
     @contextlib.contextmanager
     def _odc_generate_without_lockstep(self):
@@ -421,9 +418,9 @@ class _GRPOPart:
         origins = inputs.pop("odc_origin", None)
         kept = None  # the tokens an entropy bonus acts on: all of the loss mask's but with top_entropy_quantile
         if self.odc_entropy_thresholds is not None:  # this microbatch's, in the order the step runs them
-            self._odc_row_thresholds = self.odc_entropy_thresholds[slices.cpu()]
-            self._odc_row_entropies = self._odc_step_entropies.pop(0)
-            kept = self.get_high_entropy_mask(self._odc_row_entropies, loss_mask(inputs), 0.0)
+            own = self._odc_step_entropies.pop(0)
+            thresholds = self.odc_entropy_thresholds[slices.cpu()].to(own.device, own.dtype).unsqueeze(1)
+            kept = self._odc_keep = (own >= thresholds) & loss_mask(inputs).bool()
             # TRL's bonus: a mean over the kept tokens of each of its microbatches (rank, slice)
             tokens = self.odc_kept_tokens[origins.cpu(), slices.cpu()].double().clamp(min=1.0)
             entropy_weights = 1.0 / (tokens * self.odc_folded_accumulation * self.accelerator.num_processes)
@@ -442,7 +439,7 @@ class _GRPOPart:
                 self._odc_recompute_metrics(model, inputs, slices, weights if bonus else None)
         finally:
             self.loss_type = loss_type
-            self._odc_forward = self._odc_packed = self._odc_row_thresholds = self._odc_row_entropies = None
+            self._odc_forward = self._odc_packed = self._odc_keep = None
         if bonus:
             loss = loss - self._odc_entropy_bonus(inputs, entropies, entropy_weights, kept)
         return loss
@@ -551,16 +548,15 @@ class _GRPOPart:
         accumulation steps."""
         logps, entropies, aux = self._odc_forward
         size, accelerator = slices.numel(), self.accelerator
-        row_thresholds, row_entropies = self._odc_row_thresholds, self._odc_row_entropies
+        keep = self._odc_keep
         metrics = logged_metrics(self)
         appended = {key: len(values) for key, values in metrics.items()}  # what the replays append is dropped below
         try:
             for g in slices.unique().tolist():
                 index = (slices == g).nonzero().flatten().to(logps.device)
                 self._odc_replay = (logps[index].detach(), entropies[index].detach(), aux)
-                if row_thresholds is not None:
-                    self._odc_row_thresholds = row_thresholds[index.cpu()]
-                    self._odc_row_entropies = row_entropies[index.to(row_entropies.device)]
+                if keep is not None:
+                    self._odc_keep = keep[index.to(keep.device)]
                 self.accelerator = recorder = MetricRecorder(accelerator)
                 super().compute_loss(model, rows(inputs, index, size))
                 self.odc_slice_metrics.add(int(g), recorder)
@@ -571,7 +567,7 @@ class _GRPOPart:
                     self.odc_slice_metrics.add_policy_loss(int(g), float(share) * self.odc_policy_loss_factor)
         finally:
             self._odc_replay, self.accelerator = None, accelerator
-            self._odc_row_thresholds, self._odc_row_entropies = row_thresholds, row_entropies
+            self._odc_keep = keep
             for key in list(metrics):
                 del metrics[key][appended.get(key, 0) :]
 
