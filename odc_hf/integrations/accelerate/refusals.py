@@ -265,11 +265,15 @@ def shard_update_problem(optimizer: torch.optim.Optimizer) -> str | None:
     generator = torch.Generator().manual_seed(0)
     whole = torch.randn(4, 6, generator=generator)
     grads = [torch.randn(4, 6, generator=generator) for _ in range(2)]
-    cpu = {"fused": False, "capturable": False, "foreach": False}  # the same arithmetic, on CPU tensors
-    defaults = {k: (cpu[k] if k in cpu and v else v) for k, v in optimizer.defaults.items()}
+
+    def on_cpu(options: dict) -> dict:  # the same arithmetic on CPU tensors: no fused, capturable or foreach kernels
+        return {k: False if k in ("fused", "capturable", "foreach") and v else v for k, v in options.items()
+                if k != "params"}  # fmt: skip
+
+    defaults = on_cpu(optimizer.defaults)
     groups = []
     for group in optimizer.param_groups:
-        options = {k: (cpu[k] if k in cpu and v else v) for k, v in group.items() if k != "params"}
+        options = on_cpu(group)
         if options not in groups:
             groups.append(options)
     for options in groups:

@@ -421,9 +421,9 @@ class _GRPOPart:
             own = self._odc_step_entropies.pop(0)
             thresholds = self.odc_entropy_thresholds[slices.cpu()].to(own.device, own.dtype).unsqueeze(1)
             kept = self._odc_keep = (own >= thresholds) & loss_mask(inputs).bool()
-            # TRL's bonus: a mean over the kept tokens of each of its microbatches (rank, slice)
-            tokens = self.odc_kept_tokens[origins.cpu(), slices.cpu()].double().clamp(min=1.0)
-            entropy_weights = 1.0 / (tokens * self.odc_folded_accumulation * self.accelerator.num_processes)
+            if entropy_bonus_enabled(self):  # TRL's bonus: a mean over the kept tokens of each (rank, slice)
+                tokens = self.odc_kept_tokens[origins.cpu(), slices.cpu()].double().clamp(min=1.0)
+                entropy_weights = 1.0 / (tokens * self.odc_folded_accumulation * self.accelerator.num_processes)
         # TRL: normaliser = num_items / W * current_gradient_accumulation_steps (1 here) / steps_per_generation
         inputs["num_items_in_batch"] = torch.tensor(
             self.accelerator.num_processes * self.args.steps_per_generation / self.odc_weight_scale,

@@ -134,7 +134,7 @@ def keep_label_smoothing_causal(trainer, model) -> None:
     smoother = trainer.label_smoother
     if smoother is None or isinstance(smoother, ShiftingLabelSmoother):
         return
-    base = model.base_model.model if hasattr(model, "peft_config") else model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if {c.__name__ for c in type(base).__mro__} & set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
         trainer.label_smoother = ShiftingLabelSmoother(epsilon=smoother.epsilon, ignore_index=smoother.ignore_index)
 
