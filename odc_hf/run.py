@@ -5,6 +5,10 @@
 
 It calls :func:`odc_hf.patch_trl` (so ``from trl import SFTTrainer`` / ``GRPOTrainer`` give the ODC trainers) and then runs the
 target as ``__main__`` with the remaining arguments. ODC options come from ``ODC_*`` environment variables.
+
+A target that names none of the trainers odc_hf covers (TRL's ``SFTTrainer`` and ``GRPOTrainer``, odc_hf's own) is
+told before it starts (``trl.scripts.dpo``, say: it would train as under plain ``accelerate launch``), and a target
+that ends without having built an ODC trainer is told so at the end, on the main process.
 """
 
 from __future__ import annotations
@@ -35,6 +39,38 @@ def check_target(target: str) -> None:
         )
 
 
+# What a script that trains with ODC names: TRL's trainers that patch_trl replaces, or odc_hf's own.
+COVERED_TRAINERS = ("SFTTrainer", "GRPOTrainer", "ODCTrainer", "make_odc_trainer")
+
+
+def target_source(target: str) -> str | None:
+    """The source code of the script or module ``target`` runs as ``__main__`` (a package: its ``__main__``);
+    ``None`` where it cannot be read (a compiled module)."""
+    import importlib.util
+
+    path = target
+    if not (target.endswith(".py") or os.path.isfile(target)):
+        spec = importlib.util.find_spec(target)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+            spec = importlib.util.find_spec(f"{target}.__main__")
+        path = getattr(spec, "origin", None) or ""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def names_no_covered_trainer(target: str) -> bool:
+    """Whether the target's source names none of :data:`COVERED_TRAINERS` (unreadable source: ``False``)."""
+    source = target_source(target)
+    return source is not None and not any(name in source for name in COVERED_TRAINERS)
+
+
+def _main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -42,6 +78,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     target, rest = argv[0], argv[1:]
     check_target(target)  # before the imports below (seconds) and before the target loads and tokenizes
+    if names_no_covered_trainer(target) and _main_process():
+        print(f"odc_hf.run: {target} names none of the trainers odc_hf covers ({', '.join(COVERED_TRAINERS)}), so it "
+              "will most likely train without ODC, as under plain accelerate launch; odc_hf.run says at the end "
+              "whether it did", file=sys.stderr, flush=True)  # fmt: skip
     try:
         prefer_expandable_segments()  # before anything starts CUDA in this process (odc_hf/integrations/launch/cuda_allocator.py)
     except ValueError as err:
@@ -58,16 +98,21 @@ def main(argv: list[str] | None = None) -> None:
         ODCConfig.from_env()  # the ODC_* variables' errors now, not after every rank loaded the model and the data
     except ValueError as err:
         raise SystemExit(f"odc_hf.run: {err}") from None
+    from odc_hf.integrations.trainer.mixin import ODCMixin
     from odc_hf.integrations.trl.patch import patch_trl
     from odc_hf.integrations.upstream.deprecations import ignore_upstream_deprecations
 
     patch_trl()
     ignore_upstream_deprecations()  # TRL's own defaults trigger them; nothing the user can change
+    built_before = ODCMixin.odc_trainers_built
     sys.argv = [target, *rest]
     if target.endswith(".py") or os.path.isfile(target):
         runpy.run_path(target, run_name="__main__")
     else:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
+    if ODCMixin.odc_trainers_built == built_before and _main_process():
+        print(f"odc_hf.run: {target} built no ODC trainer (odc_hf covers TRL's SFTTrainer and GRPOTrainer and its own "
+              "ODCTrainer): it ran without ODC", file=sys.stderr, flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

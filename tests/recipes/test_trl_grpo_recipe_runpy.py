@@ -35,6 +35,7 @@ def test_trl_grpo_recipe_runs_with_odc(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "odc/bubble_rate" in output  # the ODC trainer (not TRL's) ran: its step metrics are in the logs
+    assert "odc_hf.run:" not in output  # neither "names none of the trainers" nor "built no ODC trainer"
     training_losses(output, STEPS)  # one finite loss per step (GRPO's loss does not have to fall)
     # The reward is the completions' mean length in characters / 100 (odc_hf.offline.length_reward, a reward that
     # differs within a group even for a random model): > 0 unless every completion came back empty (up to

@@ -33,6 +33,7 @@ def _recipe(tmp_path, steps: int, *extra):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     assert "odc/bubble_rate" in output  # the ODC trainer (not TRL's) ran: its step metrics are in the logs
+    assert "odc_hf.run:" not in output  # neither "names none of the trainers" nor "built no ODC trainer"
     return tokenizer, conversations, model_dir, out, output
 
 
