@@ -6,9 +6,10 @@
 It calls :func:`odc_hf.patch_trl` (so ``from trl import SFTTrainer`` / ``GRPOTrainer`` give the ODC trainers) and then runs the
 target as ``__main__`` with the remaining arguments. ODC options come from ``ODC_*`` environment variables.
 
-A target that names none of the trainers odc_hf covers (TRL's ``SFTTrainer`` and ``GRPOTrainer``, odc_hf's own) is
-told before it starts (``trl.scripts.dpo``, say: it would train as under plain ``accelerate launch``), and a target
-that ends without having built an ODC trainer is told so at the end, on the main process.
+A target whose source names neither TRL's ``SFTTrainer`` / ``GRPOTrainer`` nor ``odc_hf`` is told before it starts
+(``trl.scripts.dpo``, say: it would train as under plain ``accelerate launch``), and a target that ends without having
+set up an accelerator for ODC (an ODC trainer, ``ODCAccelerator``, ``odc_hf.prepare``) is told so at the end, on the
+main process.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def check_target(target: str) -> None:
         )
 
 
-# What a script that trains with ODC names: TRL's trainers that patch_trl replaces, or odc_hf's own.
-COVERED_TRAINERS = ("SFTTrainer", "GRPOTrainer", "ODCTrainer", "make_odc_trainer")
+# What a script that trains with ODC names: TRL's trainers that patch_trl replaces, or odc_hf itself.
+ODC_NAMES = ("SFTTrainer", "GRPOTrainer", "odc_hf")
 
 
 def target_source(target: str) -> str | None:
@@ -61,10 +62,10 @@ def target_source(target: str) -> str | None:
         return None
 
 
-def names_no_covered_trainer(target: str) -> bool:
-    """Whether the target's source names none of :data:`COVERED_TRAINERS` (unreadable source: ``False``)."""
+def names_nothing_of_odc(target: str) -> bool:
+    """Whether the target's source names none of :data:`ODC_NAMES` (unreadable source: ``False``)."""
     source = target_source(target)
-    return source is not None and not any(name in source for name in COVERED_TRAINERS)
+    return source is not None and not any(name in source for name in ODC_NAMES)
 
 
 def _main_process() -> bool:
@@ -78,10 +79,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     target, rest = argv[0], argv[1:]
     check_target(target)  # before the imports below (seconds) and before the target loads and tokenizes
-    if names_no_covered_trainer(target) and _main_process():
-        print(f"odc_hf.run: {target} names none of the trainers odc_hf covers ({', '.join(COVERED_TRAINERS)}), so it "
-              "will most likely train without ODC, as under plain accelerate launch; odc_hf.run says at the end "
-              "whether it did", file=sys.stderr, flush=True)  # fmt: skip
+    if names_nothing_of_odc(target) and _main_process():
+        print(f"odc_hf.run: {target} names neither TRL's SFTTrainer or GRPOTrainer (the trainers odc_hf.run replaces) "
+              "nor odc_hf, so it will most likely train without ODC, as under plain accelerate launch; odc_hf.run "
+              "says at the end whether it did", file=sys.stderr, flush=True)  # fmt: skip
     try:
         prefer_expandable_segments()  # before anything starts CUDA in this process (odc_hf/integrations/launch/cuda_allocator.py)
     except ValueError as err:
@@ -98,21 +99,22 @@ def main(argv: list[str] | None = None) -> None:
         ODCConfig.from_env()  # the ODC_* variables' errors now, not after every rank loaded the model and the data
     except ValueError as err:
         raise SystemExit(f"odc_hf.run: {err}") from None
-    from odc_hf.integrations.trainer.mixin import ODCMixin
+    from odc_hf.integrations.accelerate.accelerator import ADOPTED
     from odc_hf.integrations.trl.patch import patch_trl
     from odc_hf.integrations.upstream.deprecations import ignore_upstream_deprecations
 
     patch_trl()
     ignore_upstream_deprecations()  # TRL's own defaults trigger them; nothing the user can change
-    built_before = ODCMixin.odc_trainers_built
+    adopted_before = ADOPTED[0]
     sys.argv = [target, *rest]
     if target.endswith(".py") or os.path.isfile(target):
         runpy.run_path(target, run_name="__main__")
     else:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
-    if ODCMixin.odc_trainers_built == built_before and _main_process():
-        print(f"odc_hf.run: {target} built no ODC trainer (odc_hf covers TRL's SFTTrainer and GRPOTrainer and its own "
-              "ODCTrainer): it ran without ODC", file=sys.stderr, flush=True)  # fmt: skip
+    if ADOPTED[0] == adopted_before and _main_process():
+        print(f"odc_hf.run: {target} set up no accelerator for ODC (no ODC trainer: odc_hf.run replaces TRL's "
+              "SFTTrainer and GRPOTrainer; no ODCAccelerator or odc_hf.prepare): it ran without ODC", file=sys.stderr,
+              flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

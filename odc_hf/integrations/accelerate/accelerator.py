@@ -196,6 +196,11 @@ def _belongs_to(model: torch.nn.Module, parameters: list) -> bool:
     return all(id(p) in ids for p in parameters)
 
 
+ADOPTED = [0]
+"""How many accelerators this process set up for ODC (:func:`adopt`: the ODC trainers, :class:`ODCAccelerator`,
+:func:`prepare`); ``python -m odc_hf.run`` says when its target set up none."""
+
+
 def adopt(
     accelerator: Accelerator,
     plugin: ODCFSDPPlugin | None = None,
@@ -212,6 +217,7 @@ def adopt(
     accelerate's constructor (:mod:`odc_hf.integrations.accelerate.parallelism`); its mesh is built here (a collective).
     """
     warn_if_untested("torch", "accelerate")
+    ADOPTED[0] += 1
     if parallelism_config is not None:
         parallelism.hold_on_cpu(accelerator, parallelism_config)
     parallelism.check_topology(accelerator.parallelism_config, accelerator.num_processes)

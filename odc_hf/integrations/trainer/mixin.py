@@ -112,16 +112,12 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
     odc_global_batch_option = True
     """Whether ``ODCConfig.global_batch_size`` can set this trainer's samples per optimizer step."""
 
-    odc_trainers_built = 0
-    """How many ODC trainers this process has built (``python -m odc_hf.run`` says when a target built none)."""
-
     odc_probe_loss_scale = True
     """Whether the first microbatch checks that ``compute_loss`` divides by ``num_items_in_batch``
     (:func:`~odc_hf.integrations.trainer.loss_scale.probe`); GRPO weighs its own loss per sample."""
 
     # -- setup -------------------------------------------------------------------------------------
     def __init__(self, *args, odc_config: ODCConfig | None = None, **kwargs):
-        ODCMixin.odc_trainers_built += 1
         training_args = self._odc_argument("args", args, kwargs)  # GRPO's is 3rd, not 2nd
         # before the base trainer's first barrier (TRL prepares its dataset "main process first")
         check_cpu_ranks_have_no_gpu_to_pick(use_cpu=bool(getattr(training_args, "use_cpu", False)))
