@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from odc_hf.version import require_torch
 
 FSDP_PARAM_ATTRIBUTES = ("padded_sharded_param_size", "sharded_size", "contiguous_sharded_stride",
-                         "sharded_param", "offload_to_cpu", "fsdp_placement")  # fmt: skip
+                         "sharded_param", "offload_to_cpu", "fsdp_placement", "mp_policy")  # fmt: skip
 
 
 def param_groups(module: FSDPModule) -> list:
@@ -71,10 +71,11 @@ def partial_reduce_output(group):
     return group._partial_reduce_output
 
 
-def all_gather_dtype(group, params: list) -> set:
-    """The dtype(s) FSDP will all-gather in: the policy's ``param_dtype`` if set, else each parameter's own.
+def all_gather_dtype(params: list) -> set:
+    """The dtype(s) FSDP will all-gather in: each parameter's policy ``param_dtype`` if set, else its own dtype.
 
-    (``FSDPParam.param_dtype`` is only set at FSDP's lazy init, after we install; the policy is there at once.)
+    The policy is ``FSDPParam.mp_policy`` (torch 2.11 to 2.14: the group's; torch >= 2.15 resolves one per parameter
+    and its param group no longer holds one). ``FSDPParam.param_dtype`` is only set at FSDP's lazy init, after we
+    install; the policy is there at once.
     """
-    policy_dtype = group.mp_policy.param_dtype
-    return {policy_dtype or fp.sharded_param.dtype for fp in params}
+    return {fp.mp_policy.param_dtype or fp.sharded_param.dtype for fp in params}

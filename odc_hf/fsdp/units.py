@@ -145,9 +145,9 @@ def _check_param(name: str, fp, mesh, shard_dim: int, replicate_dim: int | None)
         raise NotImplementedError(f"unit {name!r}: CPU offload is not supported with ODC")
 
 
-def _gather_dtype(group, params: list) -> tuple[torch.dtype, bool]:
+def _gather_dtype(params: list) -> tuple[torch.dtype, bool]:
     """The dtype FSDP2 all-gathers this unit in, and whether it gathers mixed dtypes as bytes."""
-    dtypes = internals.all_gather_dtype(group, params)
+    dtypes = internals.all_gather_dtype(params)
     if len(dtypes) == 1:
         return dtypes.pop(), False
     # No policy param_dtype and mixed parameter dtypes (e.g. a bf16 frozen base next to fp32 LoRA weights):
@@ -163,7 +163,7 @@ def plan_unit(label: str, module: FSDPModule, group) -> tuple[ODCUnit, Any]:
     params = internals.fsdp_params(group)
     for fp in params:
         _check_param(label, fp, info.mesh, shard_dim, replicate_dim)
-    dtype, as_bytes = _gather_dtype(group, params)
+    dtype, as_bytes = _gather_dtype(params)
     slots, gather_total, accum_total = [], 0, 0
     for fp in params:
         numel = fp.padded_sharded_param_size.numel()

@@ -55,7 +55,7 @@ def _inspect(rank, world_size):
         if not groups or any(groups[0] is u[0] for u in units):
             continue  # no parameters, or fully_shard([norm, embed, lm_head]): three modules, one group
         params = internals.fsdp_params(groups[0])
-        assert internals.all_gather_dtype(groups[0], params) == {torch.bfloat16}
+        assert internals.all_gather_dtype(params) == {torch.bfloat16}
         log: list = []
         module.set_custom_all_gather(_RecordingAllGather(log))
         units.append((groups[0], params, log))
