@@ -21,16 +21,19 @@ import sys
 from odc_hf.integrations.launch.cuda_allocator import prefer_expandable_segments
 
 
-def check_target(target: str) -> None:
-    """The script or module to run exists, or a clear error (``SystemExit``) naming it, before any work starts."""
+def check_target(target: str) -> str | None:
+    """The script or module to run exists, or a clear error (``SystemExit``) naming it, before any work starts.
+    Returns the file it runs as ``__main__`` (a package: its ``__main__``), or ``None`` where there is none."""
     import importlib.util
 
     if target.endswith(".py") or os.path.sep in target:
         if not os.path.isfile(target):
             raise SystemExit(f"odc_hf.run: no script {target!r} (path relative to {os.getcwd()!r})")
-        return
+        return target
     try:
         spec = importlib.util.find_spec(target)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+            spec = importlib.util.find_spec(f"{target}.__main__") or spec
     except (ImportError, ValueError):  # a missing parent package, or a malformed name
         spec = None
     if spec is None:
@@ -38,34 +41,21 @@ def check_target(target: str) -> None:
             f"odc_hf.run: no module {target!r} to run (is it installed? a script needs its .py path); usage: "
             "python -m odc_hf.run <module | script.py> [args]"
         )
+    return spec.origin
 
 
 # What a script that trains with ODC names: TRL's trainers that patch_trl replaces, or odc_hf itself.
 ODC_NAMES = ("SFTTrainer", "GRPOTrainer", "odc_hf")
 
 
-def target_source(target: str) -> str | None:
-    """The source code of the script or module ``target`` runs as ``__main__`` (a package: its ``__main__``);
-    ``None`` where it cannot be read (a compiled module)."""
-    import importlib.util
-
-    path = target
-    if not (target.endswith(".py") or os.path.isfile(target)):
-        spec = importlib.util.find_spec(target)
-        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
-            spec = importlib.util.find_spec(f"{target}.__main__")
-        path = getattr(spec, "origin", None) or ""
+def names_nothing_of_odc(source_file: str | None) -> bool:
+    """Whether the target's source file (:func:`check_target`) names none of :data:`ODC_NAMES` (unreadable: False)."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
+        with open(source_file or "", encoding="utf-8") as handle:
+            source = handle.read()
     except (OSError, UnicodeDecodeError):
-        return None
-
-
-def names_nothing_of_odc(target: str) -> bool:
-    """Whether the target's source names none of :data:`ODC_NAMES` (unreadable source: ``False``)."""
-    source = target_source(target)
-    return source is not None and not any(name in source for name in ODC_NAMES)
+        return False
+    return not any(name in source for name in ODC_NAMES)
 
 
 def _main_process() -> bool:
@@ -78,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         raise SystemExit(0 if argv else 2)
     target, rest = argv[0], argv[1:]
-    check_target(target)  # before the imports below (seconds) and before the target loads and tokenizes
-    if names_nothing_of_odc(target) and _main_process():
+    source_file = check_target(target)  # before the imports below (seconds) and before the target loads and tokenizes
+    if names_nothing_of_odc(source_file) and _main_process():
         print(f"odc_hf.run: {target} names neither TRL's SFTTrainer or GRPOTrainer (the trainers odc_hf.run replaces) "
               "nor odc_hf, so it will most likely train without ODC, as under plain accelerate launch; odc_hf.run "
               "says at the end whether it did", file=sys.stderr, flush=True)  # fmt: skip
@@ -99,19 +89,19 @@ def main(argv: list[str] | None = None) -> None:
         ODCConfig.from_env()  # the ODC_* variables' errors now, not after every rank loaded the model and the data
     except ValueError as err:
         raise SystemExit(f"odc_hf.run: {err}") from None
-    from odc_hf.integrations.accelerate.accelerator import ADOPTED
+    from odc_hf.integrations.accelerate.accelerator import accelerators_adopted
     from odc_hf.integrations.trl.patch import patch_trl
     from odc_hf.integrations.upstream.deprecations import ignore_upstream_deprecations
 
     patch_trl()
     ignore_upstream_deprecations()  # TRL's own defaults trigger them; nothing the user can change
-    adopted_before = ADOPTED[0]
+    adopted_before = accelerators_adopted()
     sys.argv = [target, *rest]
     if target.endswith(".py") or os.path.isfile(target):
         runpy.run_path(target, run_name="__main__")
     else:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
-    if ADOPTED[0] == adopted_before and _main_process():
+    if accelerators_adopted() == adopted_before and _main_process():
         print(f"odc_hf.run: {target} set up no accelerator for ODC (no ODC trainer: odc_hf.run replaces TRL's "
               "SFTTrainer and GRPOTrainer; no ODCAccelerator or odc_hf.prepare): it ran without ODC", file=sys.stderr,
               flush=True)  # fmt: skip

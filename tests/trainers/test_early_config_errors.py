@@ -57,12 +57,16 @@ def test_odc_hf_run_checks_its_target_and_the_odc_variables_before_running_anyth
 
 
 def test_odc_hf_run_says_when_its_target_trains_without_odc(tmp_path):
-    from odc_hf.run import names_nothing_of_odc
+    from odc_hf.run import check_target, names_nothing_of_odc
+
+    def unnamed(target: str) -> bool:
+        return names_nothing_of_odc(check_target(target))
 
     # TRL's recipes name the one trainer they build: SFT and GRPO are the ones odc_hf.run replaces
-    assert not names_nothing_of_odc("trl.scripts.sft") and not names_nothing_of_odc("trl.scripts.grpo")
-    assert names_nothing_of_odc("trl.scripts.dpo") and names_nothing_of_odc("trl.scripts.reward")
-    assert not names_nothing_of_odc(str(ROOT / "examples" / "own_loop.py"))  # an ODCAccelerator, no trainer
+    assert not unnamed("trl.scripts.sft") and not unnamed("trl.scripts.grpo")
+    assert unnamed("trl.scripts.dpo") and unnamed("trl.scripts.reward")
+    assert not unnamed(str(ROOT / "examples" / "own_loop.py"))  # an ODCAccelerator, no trainer
+    assert check_target("pip").endswith(os.path.join("pip", "__main__.py"))  # a package runs its __main__
     plain = tmp_path / "plain.py"
     plain.write_text("print('trained something')\n")
     proc = _run(str(plain))

@@ -196,9 +196,13 @@ def _belongs_to(model: torch.nn.Module, parameters: list) -> bool:
     return all(id(p) in ids for p in parameters)
 
 
-ADOPTED = [0]
-"""How many accelerators this process set up for ODC (:func:`adopt`: the ODC trainers, :class:`ODCAccelerator`,
-:func:`prepare`); ``python -m odc_hf.run`` says when its target set up none."""
+_adopted = 0
+
+
+def accelerators_adopted() -> int:
+    """How many accelerators this process set up for ODC (:func:`adopt`: the ODC trainers, :class:`ODCAccelerator`,
+    :func:`prepare`); ``python -m odc_hf.run`` says when its target set up none."""
+    return _adopted
 
 
 def adopt(
@@ -216,8 +220,9 @@ def adopt(
     before ``prepare``. ``parallelism_config``: on a CPU host, the ``ParallelismConfig`` odc_hf kept away from
     accelerate's constructor (:mod:`odc_hf.integrations.accelerate.parallelism`); its mesh is built here (a collective).
     """
+    global _adopted
     warn_if_untested("torch", "accelerate")
-    ADOPTED[0] += 1
+    _adopted += 1
     if parallelism_config is not None:
         parallelism.hold_on_cpu(accelerator, parallelism_config)
     parallelism.check_topology(accelerator.parallelism_config, accelerator.num_processes)
