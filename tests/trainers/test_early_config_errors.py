@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from odc_hf.config import ODCConfig
 from odc_hf.testing import run_ranks
@@ -112,6 +113,37 @@ def test_odc_keys_in_an_fsdp_config_are_refused_with_where_they_go(tmp_path, mon
     with pytest.raises(ValueError, match=r"the training arguments' fsdp_config has 'odc_max_tokens_per_microbatch'"):
         ODCTrainer(model=tiny_qwen2_model(tokenizer), args=args,
                    train_dataset=default_tokenized_dataset(tokenizer, 4, max_length=32))  # fmt: skip
+
+
+def test_auto_find_batch_size_is_turned_off_with_the_setting_that_bounds_memory(tmp_path, monkeypatch, caplog):
+    """transformers' auto_find_batch_size halves the batch size after an out-of-memory error and trains on: under ODC
+    the token budget, not the batch size, sets a microbatch's memory, and the batch size is what is trained."""
+    from transformers import TrainingArguments
+
+    from odc_hf import ODCTrainer
+    from odc_hf.testing.data import default_tokenized_dataset, default_tokenizer, tiny_qwen2_model
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    tokenizer = default_tokenizer()
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", auto_find_batch_size=True,
+                             max_steps=1)  # fmt: skip
+    with caplog.at_level("WARNING", logger="odc_hf"):
+        trainer = ODCTrainer(model=tiny_qwen2_model(tokenizer), args=args, processing_class=tokenizer,
+                             train_dataset=default_tokenized_dataset(tokenizer, 8, max_length=32))  # fmt: skip
+    assert args.auto_find_batch_size  # the user's arguments stay as they were made
+    assert trainer.args.auto_find_batch_size is False  # what Trainer.train reads
+    assert "auto_find_batch_size=True is turned off" in caplog.text and "max_tokens_per_microbatch" in caplog.text
+    # an out-of-memory error in training is the user's to see, not a silent restart on a smaller batch
+    calls = []
+
+    def out_of_memory(*a, **k):
+        calls.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(trainer, "training_step", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.train()
+    assert calls == [1]
 
 
 def test_odc_keys_in_the_launch_yaml_are_refused_on_every_rank(tmp_path):

@@ -225,6 +225,18 @@ class ODCMixin(CheckpointPart, ObservabilityPart, TrainerHooks):
                 "on average); the Trainer itself runs with gradient_accumulation_steps set to 1",
                 self.odc_folded_accumulation, self.odc_minibatch_per_rank,
             )  # fmt: skip
+        if args.auto_find_batch_size:
+            # The Trainer halves per_device_train_batch_size after an out-of-memory error and starts again: under ODC
+            # a microbatch's memory is set by the token budget, not the batch size, and the batch size is what is
+            # trained (one rank retrying alone would also leave its peers waiting)
+            args.auto_find_batch_size = False
+            if self.accelerator.is_main_process:
+                logger.warning(
+                    "odc_hf: auto_find_batch_size=True is turned off: under ODC a microbatch's memory is set by "
+                    "max_tokens_per_microbatch (--odc_max_tokens_per_microbatch, ODC_MAX_TOKENS_PER_MICROBATCH), not "
+                    "by the batch size, which is what the run trains; lower the budget (or raise "
+                    "activation_checkpointing) if memory runs out"
+                )
 
     def odc_build_accelerator_args(self, parent, **kwargs):
         # The one way ODC's options reach an accelerator: an ODCFSDPPlugin (odc_hf/integrations/accelerate/plugin.py), here the
