@@ -58,10 +58,6 @@ def names_nothing_of_odc(source_file: str | None) -> bool:
     return not any(name in source for name in ODC_NAMES)
 
 
-def _main_process() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -69,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv else 2)
     target, rest = argv[0], argv[1:]
     source_file = check_target(target)  # before the imports below (seconds) and before the target loads and tokenizes
-    if names_nothing_of_odc(source_file) and _main_process():
+    from odc_hf.version import is_rank_zero  # torch (a second): after the target is known to exist
+
+    if names_nothing_of_odc(source_file) and is_rank_zero():
         print(f"odc_hf.run: {target} names neither TRL's SFTTrainer or GRPOTrainer (the trainers odc_hf.run replaces) "
               "nor odc_hf, so it will most likely train without ODC, as under plain accelerate launch; odc_hf.run "
               "says at the end whether it did", file=sys.stderr, flush=True)  # fmt: skip
@@ -101,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         runpy.run_path(target, run_name="__main__")
     else:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
-    if accelerators_adopted() == adopted_before and _main_process():
+    if accelerators_adopted() == adopted_before and is_rank_zero():
         print(f"odc_hf.run: {target} set up no accelerator for ODC (no ODC trainer: odc_hf.run replaces TRL's "
               "SFTTrainer and GRPOTrainer; no ODCAccelerator or odc_hf.prepare): it ran without ODC", file=sys.stderr,
               flush=True)  # fmt: skip

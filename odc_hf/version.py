@@ -76,7 +76,8 @@ def untested(package: str, version: str | None = None) -> str | None:
             f"it; install a tested {package} for results known to match")  # fmt: skip
 
 
-def _is_rank_zero() -> bool:
+def is_rank_zero() -> bool:
+    """Whether this process is rank 0 (of the process group once it exists, else by the launcher's ``RANK``)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank() == 0
     return os.environ.get("RANK", "0") == "0"
@@ -94,7 +95,7 @@ def warn_if_untested(*packages: str, versions: dict[str, str] | None = None) -> 
         if message is None:
             continue
         _warned.add(package)
-        if _is_rank_zero():
+        if is_rank_zero():
             warnings.warn(f"odc_hf: {message}", UntestedVersionWarning, stacklevel=2)
             warned.append(package)
     return warned
