@@ -9,7 +9,7 @@ import torch
 
 from odc_hf.balance import CostModel, FlopCostModel, QuadraticCostModel, TokenCostModel
 from odc_hf.integrations.compute.fused_head import ComputePath, check_recorded
-from odc_hf.integrations.models.family import is_attention_layer
+from odc_hf.integrations.models.family import is_attention_layer, transformers_model
 
 
 def cost_model(choice: str, model=None, compute: ComputePath | None = None) -> CostModel:
@@ -42,7 +42,7 @@ def flop_cost_model(model) -> FlopCostModel:
     N counts every 2-D weight outside embeddings (attention, MLP, LM head: the embedding lookup is no matmul), a Mixture-of-Experts
     layer's stacked expert weights (3-D parameters) at the share of experts a token uses (``num_experts_per_tok /
     experts``); the attention term sums each attention layer's query heads x head dimension."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     text = base.config.get_text_config()
     top_k = getattr(text, "num_experts_per_tok", None)
     matmul = 0

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from odc_hf.balance.memory import GIB, describe_checkpointing
 from odc_hf.integrations.models import definition_check
+from odc_hf.integrations.models.family import transformers_model
 from odc_hf.integrations.upstream.transformers import apply_liger_kernel
 
 logger = logging.getLogger(__name__)
@@ -203,7 +204,7 @@ def install_fused_head(model, outputs: tuple[str, ...] = ("log_probs",)) -> bool
         from trl.trainer.utils import add_fused_lm_head
     except ImportError:  # trl < 1.16
         return False
-    add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model, outputs=outputs)
+    add_fused_lm_head(transformers_model(model), outputs=outputs)
     return True
 
 
@@ -221,8 +222,7 @@ def guard_sharded_head(model) -> None:
     ``reshard_after_forward=False`` in accelerate's FSDP2 layout and ``odc_hf.fsdp.shard_model``, so the weight is
     already gathered (by ODC's one-sided gather) when the backbone returns.
     """
-    if hasattr(model, "get_base_model"):  # PEFT: the transformers model inside
-        model = model.get_base_model()
+    model = transformers_model(model)
     head = model.get_output_embeddings()
 
     def check(module, args, output):
@@ -264,8 +264,7 @@ class UnreadHeadFilter(logging.Filter):
 
 def quiet_unread_head_warning(model) -> None:
     """Install :class:`UnreadHeadFilter` for ``model``'s output embedding (with a fused loss only)."""
-    if hasattr(model, "get_base_model"):  # PEFT: the transformers model inside
-        model = model.get_base_model()
+    model = transformers_model(model)
     fsdp_logger = logging.getLogger(FSDP_LOGGER)
     fsdp_logger.filters = [f for f in fsdp_logger.filters if not isinstance(f, UnreadHeadFilter)]
     fsdp_logger.addFilter(UnreadHeadFilter(model.get_output_embeddings()))

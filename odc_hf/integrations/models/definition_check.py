@@ -41,6 +41,7 @@ import time
 
 import torch
 
+from odc_hf.integrations.models.family import transformers_model
 from odc_hf.integrations.upstream.transformers import attn_implementation
 
 logger = logging.getLogger(__name__)
@@ -354,7 +355,7 @@ def check_definition(model, implementation: str, *, sdpa: bool = True) -> Verdic
     """Run the check (module docstring) for ``model`` trained with ``attn_implementation=implementation``; cached.
 
     ``sdpa``: transformers lets the family run SDPA (the reference then runs ``sdpa``, else ``eager``)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     return check_class(type(base), base.config, implementation, sdpa=sdpa, instance=base)
 
 
@@ -505,7 +506,7 @@ def router_loss_problem(model) -> str | None:
     logits; a config without those two names is a problem too (TRL's trainer stops there with an AttributeError)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     text = base.config.get_text_config()
     family = str(_get(text, "model_type") or type(base).__name__)
     missing = [name for name in ("num_experts", "num_experts_per_tok") if _get(text, name) is None]
@@ -553,7 +554,7 @@ def dropout_settings(model) -> dict[str, float]:
     """The config's dropout probabilities above 0 (``attention_dropout``, ``resid_pdrop``, ...): training is then
     random, applied per document as the model defines it, and two runs (ODC's and TRL's) agree in distribution, not
     bit for bit."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     text = base.config.get_text_config()
     return {name: value for name, value in vars(text).items()
             if "drop" in name and isinstance(value, float) and value > 0}  # fmt: skip
@@ -576,7 +577,7 @@ def fused_head_problem(model) -> str | None:
         from trl.trainer.utils import add_fused_lm_head
     except ImportError:  # trl < 1.16: no fused head
         return None
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = transformers_model(model)
     if not hasattr(getattr(base, "config", None), "to_json_string"):  # not a transformers model: nothing to compare
         return None
     key = (type(base), base.config.to_json_string(use_diff=False))

@@ -56,12 +56,13 @@ def is_attention_layer(module) -> bool:
     return type(module).__name__.endswith("Attention") and isinstance(getattr(module, "head_dim", None), int)
 
 
-def _base(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the transformers model
+def transformers_model(model):
+    """The transformers model a trainer was given: inside a PEFT ``PeftModel`` (``get_base_model()``), else ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def needs_of(model) -> FamilyNeeds:
-    model = _base(model)
+    model = transformers_model(model)
     config = model.config.get_text_config()
     layer_types = getattr(config, "layer_types", None)
     windows = getattr(config, "sliding_window", None) is not None and (
@@ -105,7 +106,7 @@ def check_text_only(model) -> None:
             return
         name = (getattr(config, "architectures", None) or [config.model_type])[0]
     else:
-        model = _base(model)
+        model = transformers_model(model)
         config, name = getattr(model, "config", None), type(model).__name__
         if config is None or not hasattr(config, "get_text_config"):
             return
@@ -118,7 +119,7 @@ def refusal(model, masked: bool = False) -> str | None:
     """Why packed rows cannot train ``model`` as its definition says (naming the family and what it uses), or None.
     ``masked``: the model keeps an attention of transformers' that builds its masks (``sdpa``, ``eager``), which apply
     mask-only features (chunked attention) over packed rows too."""
-    model = _base(model)
+    model = transformers_model(model)
     config, name = model.config, type(model).__name__
     text = config.get_text_config()
     family = getattr(text, "model_type", name)
