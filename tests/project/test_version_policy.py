@@ -52,6 +52,23 @@ def test_the_lock_covers_every_requirement_of_the_test_install():
         assert requirement.specifier.contains(pins[name], prereleases=True), (requirement, pins[name])
 
 
+def test_the_python_floor_is_no_lower_than_the_requirements_floor():
+    """A Python that odc_hf admits but one of its installed requirements refuses makes pip fail with "no matching
+    distribution for trl>=1.16" instead of naming the Python (seen on 3.10 with requires-python >=3.10)."""
+    import tomllib
+    from importlib.metadata import metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    ours = SpecifierSet(project["requires-python"])
+    pythons = [f"3.{minor}" for minor in range(8, 16)]
+    for requirement in map(Requirement, project["dependencies"]):
+        theirs = SpecifierSet(metadata(requirement.name).get("Requires-Python") or "")
+        refused = [p for p in pythons if p in ours and p not in theirs]
+        assert not refused, f"odc_hf admits Python {refused}, which {requirement.name} refuses ({theirs})"
+
+
 def test_the_version_lists_are_views_of_one_table():
     assert transformers_version.TESTED_TRANSFORMERS is version.TESTED["transformers"]
     assert trl_version.TESTED_TRL is version.TESTED["trl"]
