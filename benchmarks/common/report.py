@@ -39,7 +39,7 @@ def environment() -> dict:
     import torch
 
     info = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": commit(),
         "python": platform.python_version(),

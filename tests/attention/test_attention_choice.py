@@ -125,9 +125,8 @@ def test_reference_model_gets_the_same_attention():
 
 def test_flash_attention_4_comes_with_the_kernels_extra_only():
     """`pip install odc_hf[kernels]` brings FA4 with the CUTLASS DSL's CUDA 13 libraries; CI's `test` extra does not."""
-    from pathlib import Path
-
     import tomllib
+    from pathlib import Path
 
     extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]  # fmt: skip
