@@ -4,11 +4,14 @@ a missing name is refused by name."""
 
 from __future__ import annotations
 
+import tomllib
 import warnings
+from importlib.metadata import distributions, metadata
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from odc_hf import version
@@ -31,6 +34,10 @@ def _lock() -> dict[str, str]:
     return pins
 
 
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
 def test_the_lock_pins_a_tested_minor_of_every_policy_package():
     pins = _lock()
     for package, tested in version.TESTED.items():
@@ -41,9 +48,7 @@ def test_the_lock_pins_a_tested_minor_of_every_policy_package():
 
 
 def test_the_lock_covers_every_requirement_of_the_test_install():
-    import tomllib
-
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = _project()
     requirements = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
     pins = _lock()
     for requirement in requirements:
@@ -55,12 +60,7 @@ def test_the_lock_covers_every_requirement_of_the_test_install():
 def test_the_python_floor_is_no_lower_than_the_requirements_floor():
     """A Python that odc_hf admits but one of its installed requirements refuses makes pip fail with "no matching
     distribution for trl>=1.16" instead of naming the Python (seen on 3.10 with requires-python >=3.10)."""
-    import tomllib
-    from importlib.metadata import metadata
-
-    from packaging.specifiers import SpecifierSet
-
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = _project()
     ours = SpecifierSet(project["requires-python"])
     pythons = [f"3.{minor}" for minor in range(8, 16)]
     for requirement in map(Requirement, project["dependencies"]):
@@ -191,9 +191,7 @@ def _lock_differences(pins: dict[str, str], installed: dict[str, str]) -> list[s
 
 
 def _installed() -> dict[str, str]:
-    from importlib import metadata
-
-    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    return {canonicalize_name(d.metadata["Name"]): d.version for d in distributions()}
 
 
 def test_lock_differences_name_each_package_that_differs():
